@@ -1,0 +1,48 @@
+# The README's two commands: `make run` (the ms-train demo) and `make test` (everything CI
+# checks). Both create the virtual environment and install the workspace when needed.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PACKAGES := $(sort $(wildcard packages/*))
+STAMP := $(VENV)/.ms-installed
+# Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-m 'not slow'"`.
+PYTEST_ARGS ?=
+
+.PHONY: run test lint typecheck pytest test-one clean
+
+$(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -c requirements/dev.txt -r requirements/dev.txt
+	$(BIN)/python -m pip install --quiet -c requirements/dev.txt --no-build-isolation \
+		-e tools/ms-testing $(addprefix -e ,$(PACKAGES))
+	@touch $@
+
+run: $(STAMP)
+	@echo "ms-train is not built yet (issue 7). When it lands, 'make run' will train a small GPT"
+	@echo "on the embedded default config through the ms-train CLI: data from ms-data, LAMB from"
+	@echo "ms-optim, checkpoints from ms-ckpt, heartbeats from ms-health, on gloo ranks on this CPU."
+	@exit 2
+
+test: lint typecheck pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+# pytest exits 5 when a selection holds no test; that is not a failure here.
+pytest: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests were selected"; rc=0; fi; exit $$rc
+
+# One package's tests: `make test-one PKG=ms-optim`.
+test-one: $(STAMP)
+	@test -n "$(PKG)" -a -d "packages/$(PKG)" || { echo "PKG must name a folder in packages/, got '$(PKG)'"; exit 2; }
+	$(BIN)/python -m pytest packages/$(PKG) $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests were selected"; rc=0; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
