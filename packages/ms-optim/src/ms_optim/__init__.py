@@ -1,8 +1,15 @@
 """LAMB: paper-exact, multi-tensor, ZeRO-shard aware.
 
-Nothing public ships yet; see README.md for what this package will hold.
+- :class:`Lamb`: a ``torch.optim.Optimizer`` implementing Algorithm 2 of
+  You et al. (arXiv 1904.00962) with documented variant switches.
+- :func:`lamb_param_groups`: param groups that spare biases and norm weights.
+- :class:`ShardMap`: tells ``Lamb`` which logical parameter each local ZeRO
+  shard belongs to.
 """
 
+from ms_optim._groups import lamb_param_groups
+from ms_optim._lamb import Lamb
+from ms_optim._shards import ShardMap
 from ms_optim._version import __version__
 
-__all__ = ["__version__"]
+__all__ = ["Lamb", "ShardMap", "__version__", "lamb_param_groups"]

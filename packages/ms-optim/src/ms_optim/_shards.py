@@ -1,0 +1,138 @@
+"""How a rank's local tensors map onto the logical (unsharded) parameters.
+
+ZeRO stages 1-3 give each data-parallel rank a slice of every parameter (or of the
+flat buffer that holds them all). LAMB's trust ratio needs ||w|| and ||u|| of the
+whole logical parameter, so the optimizer must know, for every local tensor, which
+logical parameter it is a slice of. The norms are then completed with one packed
+all-reduce over the data-parallel group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ms_optim._comm import all_reduce_sum
+
+__all__ = ["ShardMap", "check_shards_across_ranks"]
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """Which logical parameter each local tensor of this rank is a slice of.
+
+    Every rank of the process group builds one. ``numels`` is the same on every
+    rank; ``param_ids`` lists this rank's tensors. Together the ranks' slices of
+    a logical parameter must hold each of its elements exactly once.
+    """
+
+    #: For each local tensor, in the order the optimizer holds them (group after
+    #: group, as given), the index of its logical parameter in ``numels``.
+    param_ids: tuple[int, ...]
+    #: Element count of every logical parameter, identical on all ranks.
+    numels: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_ids", tuple(self.param_ids))
+        object.__setattr__(self, "numels", tuple(self.numels))
+        for i, n in enumerate(self.numels):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"ShardMap.numels[{i}] must be an int >= 0, got {n!r}")
+        for i, k in enumerate(self.param_ids):
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(self.numels):
+                raise ValueError(
+                    f"ShardMap.param_ids[{i}] must be an int in [0, {len(self.numels)}), got {k!r}"
+                )
+
+    @classmethod
+    def from_flat_range(
+        cls, numels: Sequence[int], start: int, stop: int
+    ) -> tuple[ShardMap, list[tuple[int, int, int]]]:
+        """The map for a rank that owns elements ``[start, stop)`` of the flat buffer
+        holding all logical parameters back to back (DeepSpeed / Megatron ZeRO layout).
+
+        Returns the map and, for each local tensor, ``(param_id, offset, length)``:
+        the slice ``flat_param[offset : offset + length]`` of that parameter.
+        Parameters the range does not touch get no local tensor.
+        """
+        total = sum(numels)
+        if not 0 <= start <= stop <= total:
+            raise ValueError(
+                f"flat range must satisfy 0 <= start <= stop <= {total}, got [{start}, {stop})"
+            )
+        slices: list[tuple[int, int, int]] = []
+        begin = 0
+        for k, n in enumerate(numels):
+            lo, hi = max(start, begin), min(stop, begin + n)
+            if lo < hi:
+                slices.append((k, lo - begin, hi - lo))
+            begin += n
+        return cls(param_ids=tuple(s[0] for s in slices), numels=tuple(numels)), slices
+
+    def check_local(self, params: Sequence[torch.Tensor]) -> None:
+        """Refuse a map that does not fit this rank's tensors."""
+        if len(self.param_ids) != len(params):
+            raise ValueError(
+                f"shards.param_ids must have one entry per parameter tensor of the optimizer "
+                f"({len(params)}), got {len(self.param_ids)}"
+            )
+        for i, (k, p) in enumerate(zip(self.param_ids, params, strict=True)):
+            if p.numel() > self.numels[k]:
+                raise ValueError(
+                    f"shards: local tensor {i} has {p.numel()} elements but its logical "
+                    f"parameter {k} has only shards.numels[{k}] = {self.numels[k]}"
+                )
+
+
+def check_shards_across_ranks(
+    shards: ShardMap, params: Sequence[torch.Tensor], group: dist.ProcessGroup
+) -> None:
+    """Refuse a map that does not fit this rank's tensors, or whose slices do not
+    cover each logical parameter exactly once.
+
+    Collective over ``group`` (two small all-reduces). A rank whose own map is
+    wrong still joins the first one, so every rank raises, and none is left
+    waiting in a collective its peer will never reach.
+    """
+    try:
+        shards.check_local(params)
+        local_error: ValueError | None = None
+    except ValueError as e:
+        local_error = e
+    device = _comm_device(group, params)
+    n = len(shards.numels)
+    # Max of n and of -n: equal magnitudes iff every rank has the same n.
+    flags = torch.tensor([n, -n, int(local_error is not None)], dtype=torch.int64)
+    all_reduce_sum(flags.to(device), group, op=dist.ReduceOp.MAX, out=flags)
+    if local_error is not None:
+        raise local_error
+    if flags[2].item():
+        raise ValueError(
+            "shards: the ShardMap of another rank in process_group does not fit that rank's "
+            "parameters (that rank's error says how)"
+        )
+    if flags[0].item() != -flags[1].item():
+        raise ValueError(
+            "shards.numels must list the same logical parameters on every rank; its "
+            f"length ranges from {-int(flags[1].item())} to {int(flags[0].item())} across ranks"
+        )
+    held = torch.zeros(n, dtype=torch.int64)
+    for k, p in zip(shards.param_ids, params, strict=True):
+        held[k] += p.numel()
+    all_reduce_sum(held.to(device), group, out=held)
+    for k, (have, want) in enumerate(zip(held.tolist(), shards.numels, strict=True)):
+        if have != want:
+            raise ValueError(
+                f"shards: logical parameter {k} has shards.numels[{k}] = {want} elements but "
+                f"the ranks' local tensors hold {have} of them in total"
+            )
+
+
+def _comm_device(group: dist.ProcessGroup, params: Sequence[torch.Tensor]) -> torch.device:
+    # NCCL reduces CUDA tensors only; gloo reduces CPU ones.
+    if params and params[0].is_cuda and dist.get_backend(group) == "nccl":
+        return params[0].device
+    return torch.device("cpu")
