@@ -9,7 +9,7 @@ STAMP := $(VENV)/.ms-installed
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-m 'not slow'"`.
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck pytest test-one clean
+.PHONY: run test lint typecheck pytest test-one bench-deps bench-optim clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ test-one: $(STAMP)
 	@test -n "$(PKG)" -a -d "packages/$(PKG)" || { echo "PKG must name a folder in packages/, got '$(PKG)'"; exit 2; }
 	$(BIN)/python -m pytest packages/$(PKG) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests were selected"; rc=0; fi; exit $$rc
+
+# Benchmarks (not tests): each prints a table and writes JSON under bench-results/.
+bench-deps: $(STAMP)
+	$(BIN)/python -m pip install --quiet -r requirements/bench.txt
+
+bench-optim: bench-deps
+	$(BIN)/python tools/bench/optim/bench_lamb.py --reps 9
+	$(BIN)/python tools/bench/optim/large_batch.py --out bench-results/large_batch --threads 1
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
