@@ -65,6 +65,9 @@ def test_each_leaf_installs_alone_in_a_fresh_venv(tmp_path: Path) -> None:
             text=True,
             timeout=300,
             cwd=tmp_path,  # not the repository, so nothing is imported from a source tree
+            # A user's environment: the root conftest turns on Triton's interpreter for
+            # the test session, and the interpreter needs numpy, which no leaf requires.
+            env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
         )
         assert result.returncode == 0, f"import {module_name(leaf)} failed:\n{result.stderr}"
         _pip(python, "uninstall", "--yes", "--quiet", leaf)

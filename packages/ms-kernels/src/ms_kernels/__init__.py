@@ -1,9 +1,47 @@
-"""Triton fused kernels (LayerNorm, RMSNorm, bias+GeLU, sliding-window attention) with torch
-reference paths and flash-attn dispatch.
+"""Triton fused kernels with torch reference paths: LayerNorm, RMSNorm, bias + GeLU.
 
-Nothing public ships yet; see README.md for what this package will hold.
+Each op comes in three layers: a Triton kernel behind a ``torch.autograd.Function``,
+a functional API (``layer_norm``, ``rms_norm``, ``bias_gelu`` and the fused
+residual-add forms) and an ``nn.Module`` drop-in (``LayerNorm``, ``RMSNorm``,
+``BiasGeLU``), plus the torch reference with identical semantics
+(``*_reference``). Every entry point takes ``backend="auto" | "triton" | "torch"``;
+``auto`` picks Triton for CUDA tensors and torch elsewhere, per call.
+
+Sliding-window attention is not built yet (see README.md).
 """
 
 from ms_kernels._version import __version__
+from ms_kernels.bias_gelu import BiasGeLU, bias_gelu, bias_gelu_reference
+from ms_kernels.layer_norm import (
+    MAX_HIDDEN,
+    LayerNorm,
+    add_layer_norm,
+    add_layer_norm_reference,
+    layer_norm,
+    layer_norm_reference,
+)
+from ms_kernels.rms_norm import (
+    RMSNorm,
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
 
-__all__ = ["__version__"]
+__all__ = [
+    "MAX_HIDDEN",
+    "BiasGeLU",
+    "LayerNorm",
+    "RMSNorm",
+    "__version__",
+    "add_layer_norm",
+    "add_layer_norm_reference",
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "bias_gelu",
+    "bias_gelu_reference",
+    "layer_norm",
+    "layer_norm_reference",
+    "rms_norm",
+    "rms_norm_reference",
+]
