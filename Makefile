@@ -9,7 +9,7 @@ STAMP := $(VENV)/.ms-installed
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-m 'not slow'"`.
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck pytest test-one bench-deps bench-optim clean
+.PHONY: run test lint typecheck pytest test-one bench-deps bench-optim bench-kernels bench-kernels-gpu clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,13 @@ bench-deps: $(STAMP)
 bench-optim: bench-deps
 	$(BIN)/python tools/bench/optim/bench_lamb.py --reps 9
 	$(BIN)/python tools/bench/optim/large_batch.py --out bench-results/large_batch --threads 1
+
+bench-kernels: $(STAMP)
+	$(BIN)/python tools/bench/kernels/cpu_attention.py --reps 5
+
+# Without a CUDA device this prints "no CUDA device" and exits 0, measuring nothing.
+bench-kernels-gpu: $(STAMP)
+	$(BIN)/python tools/bench/kernels/gpu_kernels.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

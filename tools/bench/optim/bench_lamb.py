@@ -19,11 +19,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import re
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +29,7 @@ import torch
 
 import ms_optim
 from ms_optim import Lamb
+from ms_testing.bench import machine_info, reset_peak, run_probe, vm_bytes
 
 BYTES_PER_PARAM = 7 * 4  # read w, g, m, v; write w, m, v (fp32)
 
@@ -119,63 +116,23 @@ def copy_bandwidth(reps: int) -> tuple[float, list[float]]:
     return 2 * 4 * n / statistics.median(times), times
 
 
-def _status(key: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.M)
-    assert match is not None
-    return int(match.group(1)) * 1024
-
-
 def peak_extra(name: str) -> int:
     """Run in a subprocess: transient bytes one step needs beyond params, grads, state."""
     params = make_params(gpt_shapes())
     opt = CANDIDATES[name](params)
     for _ in range(2):  # allocate state, compile
         opt.step()
-    before = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
+    before = reset_peak()
     opt.step()
-    return _status("VmHWM") - before
+    return vm_bytes("VmHWM") - before
 
 
 def measure_peaks() -> dict[str, int | None]:
     peaks: dict[str, int | None] = {}
-    # A fixed mmap threshold returns freed tensors to the kernel at once, so the
-    # high-water mark sees each step's temporaries instead of reused heap.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     for name in CANDIDATES:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--peak-of", name],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=False,
-        )
-        try:
-            peaks[name] = int(proc.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            print(f"peak memory of {name!r} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
-            peaks[name] = None
+        line = run_probe([__file__, "--peak-of", name])
+        peaks[name] = None if line is None else int(line)
     return peaks
-
-
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "ms_optim": ms_optim.__version__,
-    }
 
 
 def main() -> None:
@@ -246,7 +203,7 @@ def main() -> None:
     record = {
         "benchmark": "bench_lamb",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine_info(ms_optim=ms_optim.__version__),
         "parameters": {
             "shapes": shapes,
             "n_params": n_params,

@@ -4,25 +4,22 @@ MegaScale fuses the bias add and the activation of the MLP's first GEMM, which
 otherwise take several kernels (and several round trips through memory) each way.
 
 Three layers, as everywhere in ms-kernels: the Triton kernels with their
-``torch.autograd.Function``; :func:`bias_gelu`, the functional API; and
+``torch.autograd.Function`` (``ms_kernels._bias_gelu_triton``, imported only when
+the Triton backend runs); :func:`bias_gelu`, the functional API; and
 :class:`BiasGeLU`, a module holding the bias. :func:`bias_gelu_reference` is the
 torch path with identical semantics (``torch.nn.functional.gelu(x + bias)``).
 
 Both GeLU forms are supported: the exact one (``approximate="none"``, erf) and the
 tanh approximation (``approximate="tanh"``). The kernels compute in fp32 whatever
-the storage dtype. tanh is written with exp, since libdevice's tanh is not
-available to Triton's interpreter. The bias gradient is reduced without atomics:
-each program writes its column sums to a partial buffer, summed afterwards, so
-results are bitwise reproducible.
+the storage dtype, and reduce the bias gradient without atomics (bitwise
+reproducible).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-import triton
-import triton.language as tl
 from torch import nn
 
 from ms_kernels._backend import Backend, resolve_backend
@@ -32,137 +29,6 @@ __all__ = ["BiasGeLU", "bias_gelu", "bias_gelu_reference"]
 Approximate = Literal["none", "tanh"]
 _APPROXIMATE = ("none", "tanh")
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Rows and columns per program: 4096 elements, a few registers per thread on a GPU,
-# and few programs for the interpreter (each costs milliseconds there).
-_BLOCK_M = 16
-_MAX_BLOCK_N = 256
-
-
-@triton.jit
-def _tanh_and_sech2(a):  # type: ignore[no-untyped-def]
-    # From q = e^{-2|a|} in (0, 1]: tanh|a| = (1 - q) / (1 + q), sech^2 a = 4q / (1 + q)^2.
-    # Never overflows, and sech^2 keeps full relative precision where tanh is near
-    # +-1 (1 - tanh^2 there would cancel to a few ulps of 1).
-    q = tl.exp(-2.0 * tl.abs(a))
-    t = (1.0 - q) / (1.0 + q)
-    return tl.where(a < 0, -t, t), 4.0 * q / ((1.0 + q) * (1.0 + q))
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _gelu_and_grad(z, TANH: tl.constexpr, WANT_GRAD: tl.constexpr):  # type: ignore[no-untyped-def]
-    """gelu(z) and, when WANT_GRAD, its derivative (else y again)."""
-    if TANH:
-        inner = 0.7978845608028654 * (z + 0.044715 * z * z * z)  # sqrt(2/pi) (z + c z^3)
-        t, sech2 = _tanh_and_sech2(inner)
-        y = 0.5 * z * (1.0 + t)
-        grad = y
-        if WANT_GRAD:
-            d_inner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
-            grad = 0.5 * (1.0 + t) + 0.5 * z * sech2 * d_inner
-    else:
-        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
-        y = z * cdf
-        grad = y
-        if WANT_GRAD:
-            grad = cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)  # + z * pdf(z)
-    return y, grad
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _forward_kernel(  # type: ignore[no-untyped-def]
-    x_ptr,
-    b_ptr,
-    y_ptr,
-    M,
-    N,
-    TANH: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    offs = rows[:, None] * N + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    y, _ = _gelu_and_grad(x + b[None, :], TANH, False)
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _backward_kernel(  # type: ignore[no-untyped-def]
-    dy_ptr,
-    x_ptr,
-    b_ptr,
-    dx_ptr,
-    db_partial_ptr,
-    M,
-    N,
-    TANH: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    offs = rows[:, None] * N + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    _, grad = _gelu_and_grad(x + b[None, :], TANH, True)
-    dz = tl.where(mask, dy * grad, 0.0)
-    tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
-    # This program's share of the bias gradient; the host sums the rows of partials.
-    tl.store(db_partial_ptr + pid_m * N + cols, tl.sum(dz, axis=0), mask=cols < N)
-
-
-def _blocks(n: int) -> tuple[int, int]:
-    return _BLOCK_M, min(triton.next_power_of_2(max(n, 1)), _MAX_BLOCK_N)
-
-
-class _BiasGeLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
-        n = x.shape[-1]
-        x2 = x.reshape(-1, n).contiguous()
-        y = torch.empty_like(x2)
-        m = x2.shape[0]
-        if m > 0 and n > 0:
-            bm, bn = _blocks(n)
-            grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-            _forward_kernel[grid](
-                x2, bias, y, m, n, TANH=approximate == "tanh", BLOCK_M=bm, BLOCK_N=bn
-            )
-        ctx.save_for_backward(x2, bias)
-        ctx.approximate = approximate
-        ctx.x_shape = x.shape
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        x2, bias = ctx.saved_tensors
-        m, n = x2.shape
-        dy2 = dy.reshape(m, n).contiguous()
-        dx = torch.empty_like(x2)
-        bm, bn = _blocks(n)
-        blocks_m = triton.cdiv(m, bm)
-        partial = torch.empty((blocks_m, n), dtype=torch.float32, device=x2.device)
-        if m > 0 and n > 0:
-            _backward_kernel[(blocks_m, triton.cdiv(n, bn))](
-                dy2,
-                x2,
-                bias,
-                dx,
-                partial,
-                m,
-                n,
-                TANH=ctx.approximate == "tanh",
-                BLOCK_M=bm,
-                BLOCK_N=bn,
-            )
-        dbias = partial.sum(dim=0).to(bias.dtype)
-        return dx.view(ctx.x_shape), dbias, None
 
 
 def bias_gelu_reference(
@@ -209,8 +75,9 @@ def bias_gelu(
     _check(x, bias, approximate)
     if resolve_backend(backend, x, bias) == "torch":
         return bias_gelu_reference(x, bias, approximate)
-    out: torch.Tensor = _BiasGeLUFunction.apply(x, bias, approximate)  # type: ignore[no-untyped-call]
-    return out
+    from ms_kernels._bias_gelu_triton import run_bias_gelu  # only when Triton runs
+
+    return run_bias_gelu(x, bias, approximate)
 
 
 class BiasGeLU(nn.Module):

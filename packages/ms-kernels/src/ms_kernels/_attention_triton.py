@@ -1,0 +1,771 @@
+"""Sliding-window attention in Triton, FlashAttention-2 style: forward and backward.
+
+Private kernels behind ``ms_kernels.attention``; that module holds the public API,
+the autograd wiring and the torch reference with identical semantics.
+
+Layout and window. ``q`` is ``(B, Sq, Hq, D)``, ``k`` and ``v`` are ``(B, Sk, Hkv, D)``
+with any strides; query head ``h`` reads kv head ``h // (Hq // Hkv)`` (GQA). With
+``shift = Sk - Sq`` (flash-attn's bottom-right alignment), query ``i`` attends key ``j``
+iff ``i + shift - left <= j <= i + shift + right`` and ``0 <= j < Sk``; causal is
+``right = 0``. A query with no such key returns ``out = 0`` and ``lse = +inf``, so the
+backward's ``exp(s - lse)`` is 0 for it and it gets, and gives, zero gradients.
+
+Forward (FlashAttention-2, Dao 2023, Algorithm 1). One program per (query block, batch,
+head). It walks the key blocks of its window with an online softmax: a running row max
+``m``, a running denominator ``l`` and an unnormalised fp32 accumulator, rescaled by
+``exp(m_old - m_new)`` whenever the max grows; it divides by ``l`` once at the end and
+stores ``lse = m + log(l)`` for the backward. Scores are kept in base 2 (the scale is
+multiplied by log2(e) once) so the exponentials are ``exp2``. While every key seen so
+far is masked, ``m`` is ``-inf`` and ``s - m`` would be ``-inf - -inf = NaN``; the
+kernel subtracts 0 instead in that case (every ``p`` is then ``exp2(-inf) = 0``).
+
+Backward (FlashAttention-2, Algorithm 2), three launches and no atomics, so two runs are
+bitwise identical:
+
+1. a preprocess, ``delta_i = sum_d dO_id O_id`` in fp32 (equal to ``sum_j P_ij dP_ij``,
+   the term the softmax Jacobian subtracts);
+2. a dK/dV kernel, one program per (key block, batch, kv head), which recomputes
+   ``P = exp(s - lse)`` for every query block that sees its keys and accumulates
+   ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dP - delta)``,
+   ``dP = dO V^T``. It loops over the ``G = Hq / Hkv`` query heads sharing its kv
+   head, so GQA's sum over those heads happens inside one program;
+3. a dQ kernel, one program per (query block, batch, head), which walks its key blocks
+   as the forward does and accumulates ``dQ += dS K``.
+
+dQ is split off because dQ sums over keys while dK/dV sum over queries: a single kernel
+over key blocks would have every key block add into the same dQ rows, which needs
+atomics (their order, hence the rounding, varies run to run) or a partial dQ per key
+block (memory ``Sq * D * Sk / BLOCK_N``). The price of the second kernel is computing
+``P`` and ``dP`` twice.
+
+Block skipping (what makes the cost O(S * window) rather than O(S^2)). The window of
+query ``i`` is the key interval ``[i + shift - left, i + shift + right]``, which moves
+right by one key per query, so a query block ``[m0, m1]`` sees exactly the keys in
+``[m0 + shift - left, m1 + shift + right]`` clipped to ``[0, Sk)``: the loop runs over the
+key blocks overlapping that interval and no others (``_key_range``). Inverting the
+inequality, key ``j`` is seen by queries ``[j - shift - right, j - shift + left]``, so a
+key block ``[n0, n1]`` is seen by query rows ``[n0 - shift - right, n1 - shift + left]``
+clipped to ``[0, Sq)`` (``_query_range``). Blocks partly inside the interval are masked
+element-wise; blocks outside are never loaded. An empty interval gives an empty loop.
+(The element-wise mask is applied to every visited block, interior ones included; a
+GPU-tuned version would split off the interior blocks to save those few integer ops.)
+
+Precision. Accumulation is fp32 throughout. fp16 and bf16 feed ``tl.dot`` natively and
+``P`` / ``dS`` are cast to the input dtype before their products (as FlashAttention-2
+does). fp32 inputs use ``input_precision="ieee"``: exact fp32 products, not TF32, so
+fp32 results match torch's fp32 (which does not use TF32 for matmuls by default) at
+the cost of tensor-core speed. Triton's interpreter cannot compute in bf16, so when it
+runs (``TRITON_INTERPRET``, read per call) bf16 inputs are upcast to fp32 right after
+each load (``UPCAST``) and results are written to fp32 buffers that torch rounds to
+bf16 (the interpreter's fp32 -> bf16 cast truncates).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ms_kernels._backend import _interpreting
+
+__all__ = ["MAX_HEAD_DIM", "attention_backward", "attention_forward"]
+
+MAX_HEAD_DIM = 128
+"""Largest head dimension the kernels take (the head row is one block)."""
+
+_LOG2E = math.log2(math.e)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _key_range(m_start, Sq, Sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
+    """[start, end) of the key loop of query block ``m_start``; start is block-aligned.
+
+    The block's rows are ``m_start .. min(m_start + BLOCK_M, Sq) - 1``; its first row sees
+    keys from ``m_start + shift - left`` and its last row up to ``last + shift + right``.
+    ``end <= start`` (an empty loop) when no row sees any key.
+    """
+    shift = Sk - Sq
+    m_last = tl.minimum(m_start + BLOCK_M, Sq) - 1
+    lo = tl.maximum(m_start + shift - left, 0)
+    hi = tl.minimum(m_last + shift + right, Sk - 1)
+    return (lo // BLOCK_N) * BLOCK_N, hi + 1
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _query_range(n_start, Sq, Sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
+    """[start, end) of the query loop of key block ``n_start``; start is block-aligned.
+
+    Key ``j`` is seen by queries ``j - shift - right .. j - shift + left``.
+    """
+    shift = Sk - Sq
+    n_last = tl.minimum(n_start + BLOCK_N, Sk) - 1
+    lo = tl.maximum(n_start - shift - right, 0)
+    hi = tl.minimum(n_last - shift + left, Sq - 1)
+    return (lo // BLOCK_M) * BLOCK_M, hi + 1
+
+
+@triton.jit
+def _allowed(rows, cols, Sq, Sk, left, right):  # type: ignore[no-untyped-def]
+    """Which (query, key) pairs of ``rows[:, None]`` x ``cols[None, :]`` attend.
+
+    ``rows`` and ``cols`` are already shaped ``[M, 1]`` / ``[1, N]`` (or the transpose), so
+    the same test serves both the ``S`` and ``S^T`` orientations.
+    """
+    diag = rows + (Sk - Sq)
+    return (cols >= diag - left) & (cols <= diag + right) & (cols < Sk) & (rows < Sq)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _fwd_kernel(  # type: ignore[no-untyped-def]
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    Sq,
+    Sk,
+    Hq,
+    G,
+    D,
+    left,
+    right,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = pid_bh % Hq
+    kvh = (h // G).to(tl.int64)
+    h = h.to(tl.int64)
+    m_start = pid_m * BLOCK_M
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    rows64 = offs_m.to(tl.int64)
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qs
+    q = tl.load(
+        q_ptrs + offs_d[None, :] * stride_qd,
+        mask=(offs_m[:, None] < Sq) & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, hi = _key_range(m_start, Sq, Sk, left, right, BLOCK_M, BLOCK_N)
+    for n_start in range(lo, hi, BLOCK_N):
+        offs_n = n_start + offs_n0
+        cols64 = offs_n.to(tl.int64)
+        n_ok = offs_n < Sk
+        # K is loaded transposed, (D, N), so the score product needs no transpose.
+        kt = tl.load(
+            k_base + cols64[None, :] * stride_ks + offs_d[:, None] * stride_kd,
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_base + cols64[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        ok = _allowed(offs_m[:, None], offs_n[None, :], Sq, Sk, left, right)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen no allowed key yet keep m = -inf; subtract 0 there
+        # instead, so exp2(-inf - -inf) = NaN never arises (p and alpha are then 0).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]  # acc is 0 on empty rows
+    # m_i is in log2 units; lse is the natural log: (m + log2 l) * ln 2.
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    m_ok = offs_m < Sq
+    o_ptrs = Out + b * stride_ob + h * stride_oh + rows64[:, None] * stride_os
+    tl.store(
+        o_ptrs + offs_d[None, :] * stride_od,
+        out.to(Out.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
+    tl.store(Lse + b * stride_lb + h * stride_lh + rows64 * stride_ls, lse, mask=m_ok)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _bwd_preprocess_kernel(  # type: ignore[no-untyped-def]
+    Out,
+    DO,
+    Delta,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_db,
+    stride_ds,
+    stride_dh,
+    stride_dd,
+    Sq,
+    Hq,
+    D,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows64 = offs_m.to(tl.int64)
+    m_ok = offs_m < Sq
+    mask = m_ok[:, None] & (offs_d[None, :] < D)
+    o = tl.load(
+        Out
+        + b * stride_ob
+        + h * stride_oh
+        + rows64[:, None] * stride_os
+        + offs_d[None, :] * stride_od,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    do = tl.load(
+        DO
+        + b * stride_db
+        + h * stride_dh
+        + rows64[:, None] * stride_ds
+        + offs_d[None, :] * stride_dd,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    # Delta is (B, Hq, Sq), contiguous.
+    tl.store(Delta + (b * Hq + h) * Sq + rows64, tl.sum(o * do, 1), mask=m_ok)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _bwd_dkdv_kernel(  # type: ignore[no-untyped-def]
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    stride_gb,
+    stride_gs,
+    stride_gh,
+    stride_gd,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_db,
+    stride_ds,
+    stride_dh,
+    stride_dd,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    Sq,
+    Sk,
+    Hq,
+    Hkv,
+    G,
+    D,
+    left,
+    right,
+    scale,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hkv).to(tl.int64)
+    kvh = (pid_bh % Hkv).to(tl.int64)
+    n_start = pid_n * BLOCK_N
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    cols64 = offs_n.to(tl.int64)
+    kv_mask = (offs_n[:, None] < Sk) & d_ok[None, :]
+
+    k = tl.load(
+        K
+        + b * stride_kb
+        + kvh * stride_kh
+        + cols64[:, None] * stride_ks
+        + offs_d[None, :] * stride_kd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V
+        + b * stride_vb
+        + kvh * stride_vh
+        + cols64[:, None] * stride_vs
+        + offs_d[None, :] * stride_vd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    lo, hi = _query_range(n_start, Sq, Sk, left, right, BLOCK_M, BLOCK_N)
+    # The G query heads of this kv head, in a fixed order: GQA's sum over heads is
+    # done here, in registers, with no atomics.
+    for g in range(0, G):
+        h = kvh * G + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_db + h * stride_dh
+        lse_base = Lse + b * stride_lb + h * stride_lh
+        delta_base = Delta + (b * Hq + h) * Sq
+        for m_start in range(lo, hi, BLOCK_M):
+            offs_m = m_start + offs_m0
+            rows64 = offs_m.to(tl.int64)
+            m_ok = offs_m < Sq
+            q_mask = m_ok[:, None] & d_ok[None, :]
+            q = tl.load(
+                q_base + rows64[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                mask=q_mask,
+                other=0.0,
+            )
+            do = tl.load(
+                do_base + rows64[:, None] * stride_ds + offs_d[None, :] * stride_dd,
+                mask=q_mask,
+                other=0.0,
+            )
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            # lse = +inf (a query with no key) makes every p of its row exp2(-inf) = 0.
+            lse2 = tl.load(lse_base + rows64 * stride_ls, mask=m_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_base + rows64, mask=m_ok, other=0.0)
+            # Transposed scores, (N, M): rows are this program's keys.
+            st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+            ok = _allowed(offs_m[None, :], offs_n[:, None], Sq, Sk, left, right)
+            pt = tl.where(ok, tl.math.exp2(st - lse2[None, :]), 0.0)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            dst = pt * (dpt - delta[None, :])
+            dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
+
+    dk = dk * scale
+    # DK and DV are fresh tensors of one layout, with strides stride_g*.
+    g_off = (
+        b * stride_gb + kvh * stride_gh + cols64[:, None] * stride_gs + offs_d[None, :] * stride_gd
+    )
+    tl.store(DK + g_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + g_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _bwd_dq_kernel(  # type: ignore[no-untyped-def]
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DQ,
+    stride_gb,
+    stride_gs,
+    stride_gh,
+    stride_gd,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_db,
+    stride_ds,
+    stride_dh,
+    stride_dd,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    Sq,
+    Sk,
+    Hq,
+    G,
+    D,
+    left,
+    right,
+    scale,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = pid_bh % Hq
+    kvh = (h // G).to(tl.int64)
+    h = h.to(tl.int64)
+    m_start = pid_m * BLOCK_M
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    rows64 = offs_m.to(tl.int64)
+    m_ok = offs_m < Sq
+    q_mask = m_ok[:, None] & d_ok[None, :]
+
+    q = tl.load(
+        Q
+        + b * stride_qb
+        + h * stride_qh
+        + rows64[:, None] * stride_qs
+        + offs_d[None, :] * stride_qd,
+        mask=q_mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO
+        + b * stride_db
+        + h * stride_dh
+        + rows64[:, None] * stride_ds
+        + offs_d[None, :] * stride_dd,
+        mask=q_mask,
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = (
+        tl.load(Lse + b * stride_lb + h * stride_lh + rows64 * stride_ls, mask=m_ok, other=0.0)
+        * 1.4426950408889634
+    )
+    delta = tl.load(Delta + (b * Hq + h) * Sq + rows64, mask=m_ok, other=0.0)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, hi = _key_range(m_start, Sq, Sk, left, right, BLOCK_M, BLOCK_N)
+    for n_start in range(lo, hi, BLOCK_N):
+        offs_n = n_start + offs_n0
+        cols64 = offs_n.to(tl.int64)
+        n_ok = offs_n < Sk
+        kt = tl.load(
+            k_base + cols64[None, :] * stride_ks + offs_d[:, None] * stride_kd,
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        vt = tl.load(
+            v_base + cols64[None, :] * stride_vs + offs_d[:, None] * stride_vd,
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        ok = _allowed(offs_m[:, None], offs_n[None, :], Sq, Sk, left, right)
+        p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
+
+    dq = dq * scale
+    tl.store(
+        DQ
+        + b * stride_gb
+        + h * stride_gh
+        + rows64[:, None] * stride_gs
+        + offs_d[None, :] * stride_gd,
+        dq.to(DQ.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """Tile sizes and launch options of the three main kernels."""
+
+    fwd: tuple[int, int]
+    """(BLOCK_M, BLOCK_N) of the forward."""
+    dkdv: tuple[int, int]
+    """(BLOCK_M, BLOCK_N) of the dK/dV kernel: BLOCK_N keys per program, BLOCK_M queries a step."""
+    dq: tuple[int, int]
+    """(BLOCK_M, BLOCK_N) of the dQ kernel."""
+    num_warps: int
+    num_stages: int
+
+
+def _block_sizes(head_dim: int, dtype: torch.dtype, interpreting: bool) -> _Blocks:
+    """Tile sizes for inputs of ``dtype`` and ``head_dim``; the one place they are chosen.
+
+    GPU values: FlashAttention-2's usual 128 x 64 forward tiles, smaller backward tiles
+    (the dK/dV program keeps K, V, dK and dV tiles live across its loops). They have not
+    been timed on a GPU here; they were compiled for sm_90 with this Triton and picked
+    to keep register spills near zero (ptxas: 24 bytes in the forward at D > 64, 144 in
+    fp32's dK/dV at D > 64, none elsewhere). fp32 uses exact fp32 dots, which run on
+    FMA units rather than tensor cores and need far more registers: hence its small tiles.
+    """
+    if interpreting:
+        # Interpreted cost is per program and per op, nearly flat in tile size: 64 x 64
+        # tiles ran the tests' shapes (S <= ~100) 2-3x faster than 32 x 32 and 5x faster
+        # than 16 x 16. Tests patch in smaller and uneven tiles where they need many blocks.
+        return _Blocks(fwd=(64, 64), dkdv=(64, 64), dq=(64, 64), num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return _Blocks(fwd=(32, 32), dkdv=(32, 32), dq=(32, 32), num_warps=8, num_stages=2)
+    if head_dim <= 64:
+        return _Blocks(fwd=(128, 64), dkdv=(64, 64), dq=(64, 64), num_warps=8, num_stages=3)
+    return _Blocks(fwd=(128, 64), dkdv=(32, 32), dq=(64, 32), num_warps=8, num_stages=2)
+
+
+def _head_block(head_dim: int) -> int:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    # tl.dot needs every tile dimension >= 16.
+    return max(16, int(triton.next_power_of_2(head_dim)))
+
+
+def _clamp_window(left: int, right: int, sq: int, sk: int) -> tuple[int, int]:
+    """A window side beyond ``sq + sk`` reaches past every key; clamping it there keeps
+    the kernels' int32 index arithmetic from overflowing on "unbounded" sentinels."""
+    return min(left, sq + sk), min(right, sq + sk)
+
+
+def _compute_dtypes(dtype: torch.dtype) -> tuple[bool, str, torch.dtype]:
+    """(UPCAST, DOT_PRECISION, dtype of the kernels' output buffers) for inputs of ``dtype``."""
+    upcast = dtype == torch.bfloat16 and _interpreting()
+    precision = "ieee" if dtype == torch.float32 or upcast else "tf32"
+    return upcast, precision, torch.float32 if upcast else dtype
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    left: int,
+    right: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sliding-window attention forward.
+
+    ``q``: ``(B, Sq, Hq, D)``; ``k``, ``v``: ``(B, Sk, Hkv, D)``, one dtype and device, any
+    strides, ``Hq % Hkv == 0``. ``left``, ``right``: the window (validated by the caller;
+    a value >= ``Sq + Sk`` is unbounded). Returns ``out`` ``(B, Sq, Hq, D)`` in q's dtype,
+    contiguous, and ``lse`` ``(B, Hq, Sq)`` fp32, the natural-log logsumexp of
+    ``scale * q.k`` over the allowed keys (``+inf``, with ``out = 0``, for a query that
+    has none).
+    """
+    batch, sq, hq, head_dim = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    block_d = _head_block(head_dim)
+    left, right = _clamp_window(left, right, sq, sk)
+    upcast, precision, buf_dtype = _compute_dtypes(q.dtype)
+    out = torch.empty((batch, sq, hq, head_dim), dtype=buf_dtype, device=q.device)
+    lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out.to(q.dtype), lse
+    if sk == 0:  # no keys at all: every query is empty
+        return out.zero_().to(q.dtype), lse.fill_(math.inf)
+    blocks = _block_sizes(head_dim, q.dtype, _interpreting())
+    block_m, block_n = blocks.fwd
+    grid = (triton.cdiv(sq, block_m), batch * hq)
+    _fwd_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        *lse.stride(),
+        sq,
+        sk,
+        hq,
+        hq // hkv,
+        head_dim,
+        left,
+        right,
+        scale * _LOG2E,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+    )
+    return out.to(q.dtype), lse
+
+
+def attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    left: int,
+    right: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` of ``attention_forward``, in the dtypes and shapes of q, k, v.
+
+    ``out`` and ``lse`` are the forward's results, ``dout`` the gradient of ``out`` (any
+    strides). Queries with no allowed key contribute nothing.
+    """
+    batch, sq, hq, head_dim = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    block_d = _head_block(head_dim)
+    left, right = _clamp_window(left, right, sq, sk)
+    upcast, precision, buf_dtype = _compute_dtypes(q.dtype)
+    # Every program writes its whole tile, zeros included, so the kernels leave no
+    # element unwritten; only the no-launch cases below need explicit zeros.
+    dq = torch.empty((batch, sq, hq, head_dim), dtype=buf_dtype, device=q.device)
+    dk = torch.empty((batch, sk, hkv, head_dim), dtype=buf_dtype, device=q.device)
+    dv = torch.empty((batch, sk, hkv, head_dim), dtype=buf_dtype, device=q.device)
+    if batch == 0 or sq == 0 or sk == 0 or hq == 0:
+        return dq.zero_().to(q.dtype), dk.zero_().to(k.dtype), dv.zero_().to(v.dtype)
+    blocks = _block_sizes(head_dim, q.dtype, _interpreting())
+    delta = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
+    pre_m = blocks.dq[0]
+    _bwd_preprocess_kernel[(triton.cdiv(sq, pre_m), batch * hq)](
+        out,
+        dout,
+        delta,
+        *out.stride(),
+        *dout.stride(),
+        sq,
+        hq,
+        head_dim,
+        BLOCK_M=pre_m,
+        BLOCK_D=block_d,
+    )
+    common = (
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dout.stride(),
+        *lse.stride(),
+    )
+    block_m, block_n = blocks.dkdv
+    _bwd_dkdv_kernel[(triton.cdiv(sk, block_n), batch * hkv)](
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dk,
+        dv,
+        *dk.stride(),
+        *common,
+        sq,
+        sk,
+        hq,
+        hkv,
+        hq // hkv,
+        head_dim,
+        left,
+        right,
+        scale,
+        scale * _LOG2E,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+    )
+    block_m, block_n = blocks.dq
+    _bwd_dq_kernel[(triton.cdiv(sq, block_m), batch * hq)](
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dq,
+        *dq.stride(),
+        *common,
+        sq,
+        sk,
+        hq,
+        hq // hkv,
+        head_dim,
+        left,
+        right,
+        scale,
+        scale * _LOG2E,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+    )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,92 @@
+"""The benchmark scripts run: the GPU one says so without CUDA, and --smoke walks every path.
+
+Benchmarks are not tests, so nothing here looks at a timing; these only check that a
+script starts, takes its flags, prints its tables and writes JSON only when it measured.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _workspace import ROOT
+
+GPU_KERNELS = ROOT / "tools" / "bench" / "kernels" / "gpu_kernels.py"
+NORMS_TITLE = "## norms and activations"
+ATTENTION_TITLE = "## sliding-window attention"
+NORM_OPS = (
+    "layer_norm",
+    "add + layer_norm",
+    "rms_norm",
+    "add + rms_norm",
+    "bias + gelu (erf)",
+    "bias + gelu (tanh)",
+)
+ATTENTION_CANDIDATES = (
+    "ms (torch backend)",
+    "flash-attn",
+    "SDPA causal (no window)",
+    "SDPA + window mask",
+)
+
+
+def _run_gpu_kernels(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The script with CUDA hidden, and without the interpreter the workspace conftest sets."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run(
+        [sys.executable, str(GPU_KERNELS), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+
+def _rows(table: str, first_column: str) -> list[str]:
+    return [line for line in table.splitlines() if line.startswith(first_column)]
+
+
+def test_gpu_kernels_without_cuda_says_so_and_measures_nothing(tmp_path: Path) -> None:
+    proc = _run_gpu_kernels(cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("no CUDA device"), proc.stdout
+    assert not list(tmp_path.rglob("*")), "wrote files without measuring anything"
+
+
+@pytest.mark.slow
+def test_gpu_kernels_smoke_prints_every_table_and_writes_nothing(tmp_path: Path) -> None:
+    proc = _run_gpu_kernels("--smoke", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.startswith("smoke: not a measurement"), out[:500]
+    assert "no CUDA device" not in out
+    norms, found, attention = out.partition(f"\n{ATTENTION_TITLE}")
+    assert NORMS_TITLE in norms and "smoke: not a measurement" in norms
+    assert found, f"no attention table in:\n{out}"
+    for op in NORM_OPS:
+        rows = _rows(norms, op + " ")
+        # ms, eager and compile for fwd and fwd+bwd; the ms rows carry numbers
+        assert len(rows) == 6, (op, rows)
+        ms_rows = [r for r in rows if "ms (torch backend)" in r]
+        assert len(ms_rows) == 2 and all(r.split()[-1] == "1.00" for r in ms_rows), ms_rows
+    for name in ATTENTION_CANDIDATES:
+        assert name in attention, name
+    ms_rows = [r for r in attention.splitlines() if "ms (torch backend)" in r]
+    # 2 shapes x (full causal, one window) x (fwd, fwd+bwd), each with a t/t_ms of 1.00
+    assert len(ms_rows) == 8 and all(r.split()[-1] == "1.00" for r in ms_rows), ms_rows
+    assert "error:" not in out and "OOM" not in out, out
+    assert not list(tmp_path.rglob("*")), "--smoke wrote files"
+
+
+@pytest.mark.slow
+def test_gpu_kernels_only_runs_one_section(tmp_path: Path) -> None:
+    proc = _run_gpu_kernels("--smoke", "--only", "norms", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert NORMS_TITLE in proc.stdout and ATTENTION_TITLE not in proc.stdout
