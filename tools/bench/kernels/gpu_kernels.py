@@ -64,24 +64,33 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
-import importlib.metadata
 import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
-import time
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _gpu_harness import (
+    L2_FLUSH_BYTES,
+    PASSES,
+    Candidate,
+    Timer,
+    compare,
+    copy_bandwidth,
+    free_memory,
+    matmul_peak,
+    nvidia_smi,
+    print_table,
+    randn,
+    summarize,
+    version,
+)
 
 import ms_kernels
 from ms_kernels import (
@@ -114,161 +123,11 @@ WINDOWS: list[int | None] = [None, 512, 4096]  # tokens; None: full causal
 SMOKE_NORM_SHAPES = [(64, 256)]
 SMOKE_ATTENTION_SHAPES = [(1, 128, 4, 4, 32), (2, 96, 4, 2, 16)]
 SMOKE_WINDOWS: list[int | None] = [None, 32]
-L2_FLUSH_BYTES = 256 * 2**20  # beyond any GPU's L2 (H100: 50 MB)
 COPY_BYTES, SMOKE_COPY_BYTES = 2**30, 4 * 2**20
 GEMM_N, SMOKE_GEMM_N = 8192, 256
 NORMS_TITLE = "## norms and activations"
 ATTENTION_TITLE = "## sliding-window attention"
 SMOKE_MARK = "smoke: not a measurement"
-
-Candidate = Callable[[], object] | str  # a timed call, or why there is none
-
-
-class Timer:
-    """Seconds one call takes: CUDA events after an L2-evicting write; wall time on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._scratch = (
-            torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if self.cuda else None
-        )
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        if self._scratch is None:
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        self._scratch.zero_()  # queued before the start event, so not timed
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end)) / 1e3
-
-
-@dataclass
-class Result:
-    """One candidate's repetitions in one case and pass."""
-
-    status: str = "ok"  # "ok", or why there are no times (not installed, OOM, error)
-    times: list[float] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok" and bool(self.times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _failure(exc: BaseException) -> str:
-    if isinstance(exc, torch.OutOfMemoryError):
-        return "OOM"
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"error: {type(exc).__name__}: {first[:80]}"
-
-
-def compare(
-    candidates: dict[str, Candidate],
-    timer: Timer,
-    device: torch.device,
-    warmup: int,
-    reps: int,
-) -> dict[str, Result]:
-    """Warm up every runnable candidate, then time them alternately, the order rotating.
-
-    A candidate that raises (OOM, an unsupported case) keeps its reason instead of
-    times; the others go on.
-    """
-    results = {
-        name: Result(status=c) if isinstance(c, str) else Result() for name, c in candidates.items()
-    }
-    runnable = {name: c for name, c in candidates.items() if not isinstance(c, str)}
-    for name, fn in list(runnable.items()):
-        try:
-            for _ in range(warmup):
-                fn()
-            _sync(device)
-        except Exception as exc:  # one failing candidate must not end a long run
-            traceback.print_exc(file=sys.stderr)
-            results[name].status = _failure(exc)
-            del runnable[name]
-            free_memory(device)
-    for rep in range(reps):
-        names = list(runnable)
-        k = rep % len(names) if names else 0
-        for name in names[k:] + names[:k]:
-            try:
-                results[name].times.append(timer(runnable[name]))
-            except Exception as exc:
-                traceback.print_exc(file=sys.stderr)
-                results[name].status = _failure(exc)
-                del runnable[name]
-                free_memory(device)
-    return results
-
-
-def forward(
-    fn: Callable[..., Sequence[torch.Tensor]],
-    inputs: list[torch.Tensor],
-    grads: list[torch.Tensor],  # unused: the same signature as forward_backward
-) -> Candidate:
-    def call() -> None:
-        with torch.no_grad():
-            fn(*inputs)
-
-    return call
-
-
-def forward_backward(
-    fn: Callable[..., Sequence[torch.Tensor]],
-    inputs: list[torch.Tensor],
-    grads: list[torch.Tensor],
-) -> Candidate:
-    # autograd.grad rather than backward(): accumulating into .grad would add a
-    # read and a write of every input gradient that no candidate needs.
-    def call() -> None:
-        torch.autograd.grad(fn(*inputs), inputs, grads)
-
-    return call
-
-
-PASSES = {"fwd": forward, "fwd+bwd": forward_backward}
-
-
-def summarize(
-    results: dict[str, Result], work: float, reference_rate: float
-) -> dict[str, dict[str, Any]]:
-    """Per candidate: every time, median, min, max, work per second, its fraction of
-    the reference rate (copy bandwidth or matmul peak), and t / t_ms (the first
-    candidate is ms-kernels)."""
-    first = next(iter(results.values()))
-    base = statistics.median(first.times) if first.ok else None
-    out: dict[str, dict[str, Any]] = {}
-    for name, r in results.items():
-        entry: dict[str, Any] = {"status": r.status, "times_s": r.times}
-        if r.ok:
-            median = statistics.median(r.times)
-            entry |= {
-                "median_s": median,
-                "min_s": min(r.times),
-                "max_s": max(r.times),
-                "per_s": work / median,
-                "fraction_of_reference": work / median / reference_rate,
-                "ratio_to_ms": median / base if base else None,
-            }
-        out[name] = entry
-    return out
 
 
 # --- norms and activations -------------------------------------------------------
@@ -343,19 +202,14 @@ def norm_bytes(op: NormOp, pass_name: str, m: int, n: int, elem: int) -> int:
     return sum((rows * m * n + vecs * n) * elem for rows, vecs in parts)
 
 
-def _randn(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    """Standard normal in fp32 on gen's device, then rounded to dtype."""
-    return torch.randn(shape, generator=gen, device=gen.device).to(dtype)
-
-
 def norm_inputs(
     op: NormOp, m: int, n: int, dtype: torch.dtype, gen: torch.Generator
 ) -> list[torch.Tensor]:
     made = {
-        "x": lambda: _randn((m, n), gen, dtype),
-        "residual": lambda: _randn((m, n), gen, dtype),
-        "weight": lambda: 1 + 0.1 * _randn((n,), gen, dtype),
-        "bias": lambda: 0.1 * _randn((n,), gen, dtype),
+        "x": lambda: randn((m, n), gen, dtype),
+        "residual": lambda: randn((m, n), gen, dtype),
+        "weight": lambda: 1 + 0.1 * randn((n,), gen, dtype),
+        "bias": lambda: 0.1 * randn((n,), gen, dtype),
     }
     return [made[name]().requires_grad_() for name in op.inputs]
 
@@ -388,7 +242,7 @@ def run_norms(
         inputs = norm_inputs(op, m, n, dtype, gen)
         with torch.no_grad():
             outs = op.reference(*inputs)
-        grads = [_randn(tuple(o.shape), gen, dtype) for o in outs]
+        grads = [randn(tuple(o.shape), gen, dtype) for o in outs]
         impls = norm_candidates(op, device.type == "cuda")
         for pass_name, make in PASSES.items():
             cands: dict[str, Candidate] = {
@@ -508,8 +362,8 @@ def run_attention(
         window = None if w is None else (w - 1, 0)
         gen = torch.Generator(device).manual_seed(i)
 
-        bshd = [_randn((b, s, h, d), gen, dtype).requires_grad_() for h in (hq, hkv, hkv)]
-        bshd_grads = [_randn((b, s, hq, d), gen, dtype)]
+        bshd = [randn((b, s, h, d), gen, dtype).requires_grad_() for h in (hq, hkv, hkv)]
+        bshd_grads = [randn((b, s, hq, d), gen, dtype)]
         # SDPA gets its own contiguous (B, H, S, D) copies, so no candidate times a transpose.
         bhsd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in bshd]
         bhsd_grads = [g.transpose(1, 2).contiguous() for g in bshd_grads]
@@ -560,58 +414,14 @@ def run_attention(
 # --- floors, machine, tables -----------------------------------------------------
 
 
-def copy_bandwidth(
-    device: torch.device, nbytes: int, timer: Timer, reps: int
-) -> tuple[float, list[float]]:
-    """Bytes per second of a large device copy counted as read + write, median of reps."""
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = [timer(lambda: dst.copy_(src)) for _ in range(reps)]
-    return 2 * nbytes / statistics.median(times), times
-
-
-def matmul_peak(
-    device: torch.device, dtype: torch.dtype, n: int, timer: Timer, warmup: int, reps: int
-) -> tuple[float, list[float]]:
-    """FLOP/s of an n^3 GEMM (2 n^3 FLOPs) in dtype, median of reps."""
-    gen = torch.Generator(device).manual_seed(0)
-    a, b = (_randn((n, n), gen, dtype) for _ in range(2))
-    for _ in range(warmup):
-        torch.mm(a, b)
-    _sync(device)
-    times = [timer(lambda: torch.mm(a, b)) for _ in range(reps)]
-    return 2 * n**3 / statistics.median(times), times
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _nvidia_smi(uuid: str | None) -> dict[str, str]:
-    fields = ["driver_version", "clocks.max.sm", "clocks.max.memory", "power.limit"]
-    cmd = ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"]
-    if uuid:
-        cmd += ["-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    values = [v.strip() for v in proc.stdout.splitlines()[0].split(",")]
-    return dict(zip(fields, values, strict=False))
-
-
 def machine(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda_runtime": torch.version.cuda,
-        "triton": _version("triton"),
-        "flash_attn": _version("flash-attn"),
+        "triton": version("triton"),
+        "flash_attn": version("flash-attn"),
         "ms_kernels": ms_kernels.__version__,
         "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
     }
@@ -624,40 +434,9 @@ def machine(device: torch.device) -> dict[str, Any]:
             "sm_count": props.multi_processor_count,
             "compute_capability": f"{props.major}.{props.minor}",
             "cudnn": torch.backends.cudnn.version(),
-            "nvidia_smi": _nvidia_smi(str(uuid) if uuid is not None else None),
+            "nvidia_smi": nvidia_smi(str(uuid) if uuid is not None else None),
         }
     return info
-
-
-def _rows(
-    records: list[dict[str, Any]], key: Callable[[dict[str, Any]], str], scale: float
-) -> list[str]:
-    lines = []
-    for rec in records:
-        for name, c in rec["candidates"].items():
-            head = f"{key(rec)} {name:24}"
-            if "median_s" not in c:
-                lines.append(f"{head} {c['status']}")
-                continue
-            ratio = "n/a" if c["ratio_to_ms"] is None else f"{c['ratio_to_ms']:.2f}"
-            spread = f"{c['min_s'] * 1e3:.4f}-{c['max_s'] * 1e3:.4f}"
-            lines.append(
-                f"{head} {c['median_s'] * 1e3:10.4f} {spread:>19} {c['per_s'] / scale:9.4g} "
-                f"{100 * c['fraction_of_reference']:7.1f} {ratio:>7}"
-            )
-    return lines
-
-
-def print_table(
-    title: str, key_header: str, records: list[dict[str, Any]], key: Any, rate: str, of: str
-) -> None:
-    header = (
-        f"{key_header} {'candidate':24} {'median ms':>10} {'min-max ms':>19} {rate:>9} "
-        f"{of:>7} {'t/t_ms':>7}"
-    )
-    print(f"\n{title}\n{header}\n{'-' * len(header)}")
-    scale = 1e9 if rate == "GB/s" else 1e12
-    print("\n".join(_rows(records, key, scale)))
 
 
 def norm_key(rec: dict[str, Any]) -> str:
