@@ -9,7 +9,7 @@ STAMP := $(VENV)/.ms-installed
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-m 'not slow'"`.
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck pytest test-one bench-deps bench-optim bench-kernels bench-kernels-gpu clean
+.PHONY: run test lint typecheck pytest test-one bench-deps bench-optim bench-kernels bench-kernels-gpu bench-data clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ bench-optim: bench-deps
 
 bench-kernels: $(STAMP)
 	$(BIN)/python tools/bench/kernels/cpu_attention.py --reps 5
+
+bench-data: $(STAMP)
+	$(BIN)/python tools/bench/data/format_bench.py --reps 9
+	$(BIN)/python tools/bench/data/node_loading.py --reps 3
 
 # Without a CUDA device this prints "no CUDA device" and exits 0, measuring nothing.
 bench-kernels-gpu: $(STAMP)

@@ -1,0 +1,158 @@
+"""The node's reader process: packs every local rank's micro-batches into the ring.
+
+Started by local rank 0 as a plain ``python -c`` subprocess (not multiprocessing's
+``spawn``, which re-imports the training script's ``__main__``: a script without a
+``__main__`` guard would start training again in the reader). Its stdin carries
+rank 0's ``sys.path``, then the ``ReaderArgs``, then the pickled dataset. It runs until
+local rank 0 asks it to stop, or until a process it serves is gone:
+
+- local rank 0 (its parent) died: it unlinks the segment (no one else will) and exits;
+- another attached local rank died: it records the fact as its failure and exits,
+  so that the ranks still alive raise instead of waiting for a step that can never
+  be freed.
+
+A failure while reading or packing (a corrupt shard) is recorded in the header with
+the step it happened at, the message and the pickled exception; each rank raises it
+when it reaches that step. SIGINT is ignored: Ctrl-C reaches the whole process group,
+and the reader's fate is its parent's to decide.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ms_data._shm_ring import Backoff, RingSpec, ShmRing
+
+__all__ = ["ReaderArgs", "main", "reader_main"]
+
+# How often a waiting reader checks that its parent and the ranks still run.
+_LIVENESS_EVERY_S = 0.05
+
+
+@dataclass(frozen=True)
+class ReaderArgs:
+    #: Segment name (without the leading slash).
+    name: str
+    spec: RingSpec
+    #: Local rank 0, which created the segment and started this process.
+    parent_pid: int
+
+
+class _Stop(Exception):
+    """The reader should exit quietly (stop requested, or its parent is gone)."""
+
+
+def main(stream: BinaryIO) -> None:
+    """Entry point of ``python -c`` (node_loader's bootstrap has set ``sys.path``)."""
+    args = pickle.load(stream)
+    reader_main(args, stream.read())
+
+
+def reader_main(args: ReaderArgs, dataset_pickle: bytes) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ring = ShmRing.try_attach(args.name, args.spec)
+    if ring is None:
+        # Local rank 0 closed (or died) before this process came up.
+        sys.exit(0)
+    reader = _Reader(ring, args.parent_pid)
+    code = 0
+    try:
+        # Unpickled here, not before: a dataset that cannot open its shards in this
+        # process is a failure the ranks should read, like any other.
+        reader.dataset = pickle.loads(dataset_pickle)
+        ring.set_running()
+        reader.run()
+    except _Stop:
+        ring.set_exited()
+    except BaseException as e:
+        # The ranks get the original message; they raise it at the step it belongs to.
+        text = f"{type(e).__name__}: {e}\n\nin the reader:\n{traceback.format_exc()}"
+        ring.fail(reader.step, text, e)
+        code = 1
+    finally:
+        if os.getppid() != args.parent_pid:
+            ring.unlink()
+        ring.close()
+    sys.exit(code)
+
+
+class _Reader:
+    def __init__(self, ring: ShmRing, parent_pid: int) -> None:
+        self.ring = ring
+        self.dataset: Any = None
+        self.parent_pid = parent_pid
+        spec = ring.spec
+        #: The step being produced (or waited for).
+        self.step = spec.start_step
+        self.global_batch = spec.dp_size * spec.micro_batch
+        dtype = np.dtype(spec.dtype)
+        self.bounds: tuple[int, int] | None = None
+        if dtype != np.int64:
+            info = np.iinfo(dtype)
+            self.bounds = (int(info.min), int(info.max))
+        self.last_check = 0.0
+
+    def run(self) -> None:
+        spec = self.ring.spec
+        while True:
+            step = self.step
+            self.wait_free(step)
+            slot = self.ring.slots[step % spec.depth]
+            for i in range(spec.dp_local):
+                rank = spec.dp_first + i
+                for j in range(spec.micro_batch):
+                    # The global stream rule (docs/design.md): dp rank r of step t takes
+                    # the g in [t*GB, (t+1)*GB) with g % dp_size == r, in order.
+                    g = step * self.global_batch + rank + j * spec.dp_size
+                    slot[i, j] = self.checked(self.dataset.sample(g), g)
+                self.ring.heartbeat()
+                self.check_alive()
+            self.ring.ready[step % spec.depth] = step  # publish: after the payload
+            self.step = step + 1
+
+    def checked(self, sample: Any, g: int) -> Any:
+        row_len = self.ring.spec.row_len
+        if not isinstance(sample, np.ndarray) or sample.shape != (row_len,):
+            raise ValueError(
+                f"dataset.sample({g}) must return an array of shape ({row_len},), got "
+                f"{type(sample).__name__} of shape {getattr(sample, 'shape', None)}"
+            )
+        if self.bounds is not None and sample.size:
+            lo, hi = int(sample.min()), int(sample.max())
+            if lo < self.bounds[0] or hi > self.bounds[1]:
+                raise ValueError(
+                    f"dataset.sample({g}) holds token ids in [{lo}, {hi}], outside the "
+                    f"ring dtype {self.ring.spec.dtype} {list(self.bounds)}"
+                )
+        return sample
+
+    def wait_free(self, step: int) -> None:
+        """Block until every local rank has copied out the step this slot held before."""
+        backoff = Backoff()
+        while int(self.ring.consumed.min()) < step - self.ring.spec.depth:
+            self.ring.heartbeat()
+            self.check_alive()
+            backoff.sleep()
+
+    def check_alive(self) -> None:
+        if self.ring.stop_requested:
+            raise _Stop
+        now = time.monotonic()
+        if now - self.last_check < _LIVENESS_EVERY_S:
+            return
+        self.last_check = now
+        if os.getppid() != self.parent_pid:
+            raise _Stop  # local rank 0 is gone; reader_main unlinks the segment
+        dead = self.ring.dead_ranks()
+        if dead:
+            who = ", ".join(f"local rank {lr} (pid {pid})" for lr, pid in dead)
+            raise RuntimeError(f"{who} exited without closing its NodeLoader")
