@@ -13,6 +13,7 @@ import json
 import math
 import pickle
 import struct
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -327,6 +328,52 @@ def test_pickle_leaves_caches_behind(corpus_files: tuple[list[str], list[np.ndar
     copy = pickle.loads(pickle.dumps(ds))
     for g, x in zip(range(0, 400, 7), warm_samples, strict=True):
         np.testing.assert_array_equal(copy.sample(g), x)
+
+
+def sample_in_threads(ds: PackedDataset, count: int, n_threads: int) -> list[np.ndarray]:
+    """Samples ``0 .. count - 1`` of ``ds``, built by ``n_threads`` threads at once."""
+    got: list[Any] = [None] * count
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n_threads)
+
+    def work(t: int) -> None:
+        try:
+            barrier.wait()  # start together, on cold caches
+            # Interleaved, and backwards on odd threads: threads straddle epochs.
+            order = list(range(t, count, n_threads))
+            for g in order if t % 2 == 0 else order[::-1]:
+                got[g] = ds.sample(g)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    return got
+
+
+@pytest.mark.parametrize(
+    ("boundary", "shuffle"), [("concat", True), ("whole", True), ("whole", False)]
+)
+def test_sample_from_many_threads_matches_one_thread(
+    corpus_files: tuple[list[str], list[np.ndarray]], boundary: str, shuffle: bool
+) -> None:
+    """A NodeLoader reader calls sample() from a thread pool: its caches must not race."""
+    paths, _ = corpus_files
+    kw: dict[str, Any] = {"boundary": boundary, "shuffle": shuffle, "seq_len": 2 * MAX_DOC}
+    ref = dataset(paths, **kw)
+    count = 8 * (ref.samples_per_epoch or 40)  # several epochs, more than the 3 cached
+    want = [ref.sample(g) for g in range(count)]
+    assert ref.epoch(count - 1) >= 5
+    for _ in range(3):
+        shared = dataset(paths, **kw)
+        got = sample_in_threads(shared, count, n_threads=6)
+        for g in range(count):
+            np.testing.assert_array_equal(got[g], want[g])
+        assert len(shared._layouts) <= 3
 
 
 # -- bad input ----------------------------------------------------------------------------

@@ -245,6 +245,24 @@ def test_resume_continues_the_stream(corpus_dir: Path) -> None:
     assert job_segments(job) == []
 
 
+@pytest.mark.parametrize(("threads", "shuffle"), [(3, True), (2, False), (1, True)])
+def test_reader_threads_deliver_the_stream_in_order(
+    corpus_dir: Path, threads: int, shuffle: bool
+) -> None:
+    """Threads build up to depth steps at once; steps still arrive whole and in order."""
+    steps = 200  # more than one epoch of the small corpus
+    ref = make_dataset(corpus_dir, shuffle=shuffle)
+    ds = make_dataset(corpus_dir, shuffle=shuffle)
+    job = new_job()
+    with single_loader(ds, job, dp_rank=1, dp_size=2, reader_threads=threads) as loader:
+        for t in range(steps):
+            if t % 50 == 25:
+                time.sleep(0.05)  # let the reader fill the ring: back-pressure
+            np.testing.assert_array_equal(next(loader).numpy(), expected_batch(ref, t, 1, 2, 4))
+    assert ref.epoch((steps - 1) * 8) >= 1
+    assert job_segments(job) == []
+
+
 # -- faults ------------------------------------------------------------------------------------
 
 
@@ -488,6 +506,10 @@ def test_layout_validation(corpus_dir: Path, monkeypatch: pytest.MonkeyPatch) ->
         NodeLoader(ds, micro_batch=1, local_world_size=4, dp_size=2, dp_rank=0, job_id="j")
     with pytest.raises(ValueError, match="micro_batch must be >= 1"):
         NodeLoader(ds, micro_batch=0)
+    with pytest.raises(ValueError, match="reader_threads must be >= 1"):
+        NodeLoader(ds, micro_batch=1, reader_threads=0)
+    with pytest.raises(TypeError, match="reader_threads must be an int"):
+        NodeLoader(ds, micro_batch=1, reader_threads=2.0)  # type: ignore[arg-type]
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fsspec
@@ -181,6 +182,19 @@ def test_consecutive_documents_do_not_reread_their_shared_chunk(tmp_path: Path) 
     for i in range(len(docs)):
         np.testing.assert_array_equal(r.read_document(i), docs[i])
     assert read_counts(counter).total == sum(int(x) for x in r.chunk_table["length"])
+
+
+def test_threads_read_one_reader_at_once(tmp_path: Path) -> None:
+    """Threads share the decoded-chunk cache; each has its own zstd context."""
+    rng = np.random.default_rng(4)
+    docs = [rng.integers(0, 60000, int(n), dtype=np.uint16) for n in rng.integers(1, 700, 200)]
+    write_shard(tmp_path / "s.mss", docs, chunk_tokens=256)
+    r = ShardReader(str(tmp_path / "s.mss"))
+    order = rng.permutation(np.tile(np.arange(len(docs)), 5))
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(r.read_document, order.tolist()))
+    for i, tokens in zip(order.tolist(), got, strict=True):
+        np.testing.assert_array_equal(tokens, docs[i])
 
 
 def test_counting_urls_take_the_counter_from_the_environment(

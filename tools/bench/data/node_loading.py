@@ -1,6 +1,6 @@
 """Tree-based node loading (NodeLoader) vs one loader per rank, 4 local ranks, on CPU.
 
-    .venv/bin/python tools/bench/data/node_loading.py [--reps 3] [--out PATH]
+    .venv/bin/python tools/bench/data/node_loading.py [--reps 3] [--reader-threads 1] [--out PATH]
 
 Corpus: the .py files of Python's standard library, one document each, UTF-8 bytes
 (ms_data.tokenizer.ByteTokenizer) written as uint16 shards by ShardWriter (64K-token
@@ -111,7 +111,9 @@ def rank_bytes(method: str, corpus: str, counter: str, tp: int, steps: int, shuf
     return 0
 
 
-def rank_loop(method: str, corpus: str, tp: int, phases: list[tuple[str, int, float]]) -> Any:
+def rank_loop(
+    method: str, corpus: str, tp: int, phases: list[tuple[str, int, float]], reader_threads: int
+) -> Any:
     """Per phase (compute kind, steps, seconds of compute per step): the time inside
     every next(), the phase's start and end (CLOCK_MONOTONIC), and for NodeLoader its
     own data-wait seconds (time before the batch was ready, copy-out excluded)."""
@@ -122,7 +124,12 @@ def rank_loop(method: str, corpus: str, tp: int, phases: list[tuple[str, int, fl
     if method == "tree":
         job = _broadcast(f"bench{uuid.uuid4().hex[:8]}" if rank == 0 else "")
         loader = NodeLoader(
-            make_dataset(corpus), micro_batch=MICRO, tp_size=tp, job_id=job, depth=DEPTH
+            make_dataset(corpus),
+            micro_batch=MICRO,
+            tp_size=tp,
+            job_id=job,
+            depth=DEPTH,
+            reader_threads=reader_threads,
         )
     else:
         ds = make_dataset(corpus, dp_rank=rank // tp, dp_size=dp)
@@ -225,6 +232,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=400, help="steps per throughput phase")
+    ap.add_argument(
+        "--reader-threads", type=int, default=1, help="NodeLoader reader_threads (throughput)"
+    )
     ap.add_argument("--out", type=Path, default=Path("bench-results/data/node_loading.json"))
     args = ap.parse_args()
 
@@ -240,7 +250,8 @@ def main() -> None:
             f"corpus: {corpus_info['documents']} stdlib files, {corpus_info['tokens'] / 1e6:.1f}M "
             f"byte tokens, {corpus_info['shard_bytes'] / 1e6:.1f} MB of shards "
             f"(built in {time.perf_counter() - t0:.1f}s); seq_len {SEQ_LEN}, micro_batch "
-            f"{MICRO}, {RANKS} local ranks, depth {DEPTH}; load average {load_before[0]:.2f}, "
+            f"{MICRO}, {RANKS} local ranks, depth {DEPTH}, reader_threads "
+            f"{args.reader_threads}; load average {load_before[0]:.2f}, "
             f"{os.cpu_count()} cores"
         )
         ceiling = producer_ceiling(corpus)
@@ -279,7 +290,12 @@ def main() -> None:
                 order = METHODS[rep % len(METHODS) :] + METHODS[: rep % len(METHODS)]
                 for method in order:
                     runs[method].append(
-                        run_ranks(rank_loop, RANKS, args=(method, corpus, tp, phases), timeout=600)
+                        run_ranks(
+                            rank_loop,
+                            RANKS,
+                            args=(method, corpus, tp, phases, args.reader_threads),
+                            timeout=600,
+                        )
                     )
             loops[f"tp{tp}"] = runs
         load_after = os.getloadavg()
@@ -403,6 +419,7 @@ def report(
             "micro_batch": MICRO,
             "local_ranks": RANKS,
             "depth": DEPTH,
+            "reader_threads": args.reader_threads,
             "reps": args.reps,
             "phases": phases,
             "methods": LABELS,

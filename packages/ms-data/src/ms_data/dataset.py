@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import threading
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -346,7 +347,7 @@ class PackedDataset(IterableDataset[torch.Tensor]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_lengths", "_keep", "_layouts"):
+        for name in ("_lengths", "_keep", "_layouts", "_lock"):
             state.pop(name, None)
         return state
 
@@ -357,14 +358,20 @@ class PackedDataset(IterableDataset[torch.Tensor]):
     # -- internals ------------------------------------------------------------------
 
     def _clear_caches(self) -> None:
+        # Guards the caches below and _epoch_starts: sample() may be called from
+        # several threads at once (a NodeLoader reader's pool). Reentrant: _position
+        # builds layouts while it holds it.
+        self._lock = threading.RLock()
         self._lengths: np.ndarray | None = None
         self._keep: np.ndarray | None = None
         self._layouts: OrderedDict[int, EpochLayout] = OrderedDict()
 
     def _doc_lengths(self) -> np.ndarray:
-        if self._lengths is None:
-            self._lengths = np.asarray(self.corpus.doc_lengths(), dtype=np.int64)
-        return self._lengths
+        lengths = self._lengths
+        if lengths is None:
+            # A race builds the same array twice; the assignment itself is atomic.
+            lengths = self._lengths = np.asarray(self.corpus.doc_lengths(), dtype=np.int64)
+        return lengths
 
     def _spans(self) -> np.ndarray:
         """Each document's length in the stream: its tokens, plus the eos."""
@@ -374,11 +381,13 @@ class PackedDataset(IterableDataset[torch.Tensor]):
     def _keep_mask(self) -> np.ndarray | None:
         if not self._skip.size:
             return None
-        if self._keep is None:
+        keep = self._keep
+        if keep is None:
+            # Filled before it is published: another thread never sees it half done.
             keep = np.ones(self.corpus.n_docs, dtype=bool)
             keep[self._skip] = False
             self._keep = keep
-        return self._keep
+        return keep
 
     def _check_documents(self, lengths: np.ndarray) -> None:
         keep = self._keep_mask()
@@ -414,10 +423,13 @@ class PackedDataset(IterableDataset[torch.Tensor]):
 
     def _layout(self, epoch: int) -> EpochLayout:
         key = epoch if self.shuffle else 0  # unshuffled epochs are all alike
-        layout = self._layouts.get(key)
-        if layout is not None:
-            self._layouts.move_to_end(key)
-            return layout
+        with self._lock:
+            layout = self._layouts.get(key)
+            if layout is not None:
+                self._layouts.move_to_end(key)
+                return layout
+        # Built outside the lock (it can take a while); two threads that miss at once
+        # both build it, and the first to finish is the one kept. Pure function of key.
         shard_docs = np.array([reader.n_docs for reader in self.corpus.shards], dtype=np.int64)
         order = document_order(
             shard_docs, self._keep_mask(), seed=self.seed, epoch=key, shuffle=self.shuffle
@@ -425,9 +437,14 @@ class PackedDataset(IterableDataset[torch.Tensor]):
         pack = concat_layout if self.boundary == "concat" else whole_layout
         size = self.seq_len if self.boundary == "concat" else self.seq_len + 1
         layout = pack(self._spans(), order, size, seed=self.seed, epoch=key, shuffle=self.shuffle)
-        self._layouts[key] = layout
-        if len(self._layouts) > _CACHED_EPOCHS:
-            self._layouts.popitem(last=False)
+        with self._lock:
+            kept = self._layouts.get(key)
+            if kept is not None:
+                self._layouts.move_to_end(key)
+                return kept
+            self._layouts[key] = layout
+            if len(self._layouts) > _CACHED_EPOCHS:
+                self._layouts.popitem(last=False)
         return layout
 
     def _position(self, g: int) -> tuple[int, int]:
@@ -436,8 +453,11 @@ class PackedDataset(IterableDataset[torch.Tensor]):
             epoch, i = divmod(g, self._epoch_len)
             return epoch, i
         starts = self._epoch_starts
-        while starts[-1] <= g:
-            starts.append(starts[-1] + self._layout(len(starts) - 1).n_samples)
+        if starts[-1] <= g:
+            with self._lock:  # one thread extends the list at a time
+                while starts[-1] <= g:
+                    starts.append(starts[-1] + self._layout(len(starts) - 1).n_samples)
+        # Appends only ever add entries past g's epoch: reading without the lock is safe.
         epoch = bisect_right(starts, g) - 1
         return epoch, g - starts[epoch]
 
