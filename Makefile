@@ -11,7 +11,8 @@ PYTEST_ARGS ?=
 
 .PHONY: run test lint typecheck pytest test-one bench-deps bench-optim bench-kernels bench-kernels-gpu bench-data clean
 
-$(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
+$(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
+		$(wildcard packages/*/src/*/_version.py)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c requirements/dev.txt -r requirements/dev.txt
 	$(BIN)/python -m pip install --quiet -c requirements/dev.txt --no-build-isolation \

@@ -1,8 +1,24 @@
-"""Two-stage checkpointing with atomic commit and broadcast recovery.
+"""Two-stage checkpointing with atomic commit.
 
-Nothing public ships yet; see README.md for what this package will hold.
+``Checkpointer.save`` copies the state to a host buffer and returns; a background
+process compresses and writes it, then commits a manifest and moves ``latest``.
+``Checkpointer.load`` restores the newest committed checkpoint in place, every checksum
+verified. The on-storage layout is docs/format.md.
 """
 
 from ms_ckpt._version import __version__
+from ms_ckpt.checkpointer import Checkpointer, SaveHandle
+from ms_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from ms_ckpt.stateful import RNGState, Stateful, rng_state
 
-__all__ = ["__version__"]
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointWriteError",
+    "Checkpointer",
+    "RNGState",
+    "SaveHandle",
+    "Stateful",
+    "__version__",
+    "rng_state",
+]

@@ -1,0 +1,111 @@
+"""Names under the checkpoint root and the commit primitives (docs/format.md).
+
+The manifest is the commit record. On a local filesystem it is written to a temporary
+name, fsynced, renamed over ``manifest.json`` and the directory is fsynced, so a crash
+leaves either no manifest or the whole one. On other fsspec filesystems (object stores,
+memory://) a single put is atomic, and it is issued only after every shard is written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fsspec.implementations.local import LocalFileSystem
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}.bin"
+
+
+def join(*parts: str) -> str:
+    return "/".join(p.rstrip("/") for p in parts)
+
+
+def is_local(fs: Any) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def list_steps(fs: Any, root: str) -> dict[int, bool]:
+    """Step -> committed (has a manifest) for every ``step-*`` directory under ``root``."""
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return {}
+    steps: dict[int, bool] = {}
+    for entry in entries:
+        m = _STEP_RE.match(entry.rstrip("/").rsplit("/", 1)[-1])
+        if m is not None:
+            steps[int(m.group(1))] = fs.exists(join(root, m.group(0), MANIFEST))
+    return steps
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ParentGone(Exception):
+    """The training process died; the writer stops without committing."""
+
+
+def always() -> bool:
+    return True
+
+
+def pause(hooks: dict[str, float], point: str, alive: Callable[[], bool] = always) -> None:
+    """Test hook: sleep at a named point of stage 2 (see ``MS_CKPT_TEST_PAUSE``), ending
+    early when the trainer dies."""
+    deadline = time.monotonic() + hooks.get(point, 0.0)
+    while time.monotonic() < deadline and alive():
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
+def commit_file(
+    fs: Any,
+    path: str,
+    data: bytes,
+    hooks: dict[str, float] | None = None,
+    alive: Callable[[], bool] = always,
+) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or all of the new one."""
+    if not is_local(fs):
+        fs.pipe_file(path, data)
+        return
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp, "wb") as f:
+        # Written in two halves with the "manifest" test hook between them, so that a
+        # kill during the manifest write leaves a truncated temporary file behind.
+        half = len(data) // 2
+        f.write(data[:half])
+        f.flush()
+        pause(hooks or {}, "manifest", alive)
+        if not alive():
+            raise ParentGone
+        f.write(data[half:])
+        f.flush()
+        os.fsync(f.fileno())
+    fs.mv(tmp, path)
+    _fsync_dir(os.path.dirname(fs._strip_protocol(path)))
+
+
+def fsync_file(fs: Any, f: Any) -> None:
+    """Make a written shard durable before the manifest names it (local filesystems)."""
+    if is_local(fs):
+        f.flush()
+        os.fsync(f.fileno())

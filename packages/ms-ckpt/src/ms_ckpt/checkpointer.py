@@ -1,0 +1,393 @@
+"""``Checkpointer``: two-stage save (host copy, then a background writer process),
+atomic commit through a manifest, verified in-place load. Layout: docs/format.md.
+
+Test hook: the environment variable ``MS_CKPT_TEST_PAUSE`` (read by ``save``, e.g.
+``"record:0.2,manifest:5"``) makes stage 2 sleep at the named points: ``stage2`` before
+it starts, ``record`` before each record, ``manifest`` halfway through the manifest
+write. Fault-injection tests use it to kill processes at those points; it has no other
+use and is unset in production.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import warnings
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any, Literal
+
+import fsspec
+
+from ms_ckpt import _layout as L
+from ms_ckpt import _reader, _tree
+from ms_ckpt._pool import HostPool, stage1_copy
+from ms_ckpt._writer import apply_retention, remove_partial, write_step
+from ms_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+
+__all__ = ["Checkpointer", "SaveHandle"]
+
+_JOIN_TIMEOUT = 30.0
+
+
+class SaveHandle:
+    """The outcome of one ``save``: ``wait()`` blocks until it is committed and raises
+    ``CheckpointWriteError`` if stage 2 failed; ``skipped`` saves are done at once."""
+
+    def __init__(self, step: int, owner: Checkpointer | None, *, skipped: bool = False) -> None:
+        self.step = step
+        self.skipped = skipped
+        self._owner = owner
+        self._finished = skipped
+        self._error: CheckpointWriteError | None = None
+        self._observed = False
+
+    def done(self) -> bool:
+        if not self._finished and self._owner is not None:
+            self._owner._poll(self, timeout=0.0)
+        return self._finished
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until committed (or ``timeout`` seconds pass: ``TimeoutError``)."""
+        if not self._finished and self._owner is not None:
+            self._owner._poll(self, timeout=timeout)
+            if not self._finished:
+                raise TimeoutError(f"save of step {self.step} still running after {timeout} s")
+        self._observed = True
+        if self._error is not None:
+            raise self._error
+
+    def _finish(self, error: CheckpointWriteError | None) -> None:
+        self._finished = True
+        self._error = error
+
+    def __repr__(self) -> str:
+        state = (
+            "skipped"
+            if self.skipped
+            else "failed"
+            if self._error
+            else ("committed" if self._finished else "in flight")
+        )
+        return f"SaveHandle(step={self.step}, {state})"
+
+
+class Checkpointer:
+    """Saves and loads training state under ``url`` (any fsspec URL).
+
+    Args:
+        url: root of the checkpoints; step ``N`` lives in ``<url>/step-0000000N/``.
+        keep_last: after each commit keep this many newest committed steps (None: all).
+            The newest committed step is never deleted; partial steps older than it are.
+        compression: ``"zstd"`` or ``"none"``.
+        level: zstd level (1..19; 3 is fast and already shrinks optimizer state).
+        policy: a save while one is in flight ``"wait"``s for it, or is ``"skip"``ped.
+        stage2: ``"process"`` writes from a background process (the default);
+            ``"inline"`` writes inside ``save`` (the default for memory://, whose store
+            another process cannot see).
+        fs: an fsspec filesystem to use instead of the one ``url`` names (``url`` is then a
+            path on it). It is pickled to the writer process.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        keep_last: int | None = None,
+        compression: Literal["zstd", "none"] = "zstd",
+        level: int = 3,
+        policy: Literal["wait", "skip"] = "wait",
+        stage2: Literal["process", "inline"] | None = None,
+        fs: Any = None,
+    ) -> None:
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+        if compression not in ("zstd", "none"):
+            raise ValueError(f"compression must be 'zstd' or 'none', got {compression!r}")
+        if type(level) is not int or not 1 <= level <= 22:
+            raise ValueError(f"level must be an int in [1, 22], got {level!r}")
+        if policy not in ("wait", "skip"):
+            raise ValueError(f"policy must be 'wait' or 'skip', got {policy!r}")
+        if fs is None:
+            fs, root = fsspec.core.url_to_fs(url)
+        else:
+            root = fs._strip_protocol(url)
+        in_memory = (
+            "memory" in fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol == "memory")
+        )
+        if stage2 is None:
+            stage2 = "inline" if in_memory else "process"
+        if stage2 not in ("process", "inline"):
+            raise ValueError(f"stage2 must be 'process' or 'inline', got {stage2!r}")
+        if stage2 == "process" and in_memory:
+            raise ValueError(
+                "stage2='process' cannot write memory://: another process "
+                "cannot see this process's memory filesystem; use 'inline'"
+            )
+        self.url = url
+        self.keep_last = keep_last
+        self.compression = compression
+        self.level = level
+        self.policy = policy
+        self.stage2 = stage2
+        self._fs = fs
+        self._root = root.rstrip("/")
+        self._pool = HostPool()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Any = None
+        self._inflight: SaveHandle | None = None
+        self._last: SaveHandle | None = None
+        self._closed = False
+        ref = weakref.ref(self)
+        self._atexit: Callable[[], None] = lambda: _finalize_ref(ref)
+        atexit.register(self._atexit)
+
+    # ---------------------------------------------------------------- save
+
+    def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
+        """Stage 1 now (flatten, copy tensors to the host buffer); stage 2 in background.
+
+        After it returns, changing the live tensors does not change what is written.
+        Raises ``CheckpointWriteError`` of an earlier save whose failure nobody waited for.
+        """
+        if self._closed:
+            raise CheckpointError("save() after finalize()")
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        inflight = self._inflight
+        if inflight is not None:
+            if self.policy == "skip" and not inflight.done():
+                return SaveHandle(step, None, skipped=True)
+            self._poll(inflight, timeout=None)
+        self._raise_unobserved()
+        flat = _tree.flatten(state)
+        records = stage1_copy(self._pool, flat.tensors)
+        job = {
+            "step": step,
+            "rank": 0,
+            "pool": self._pool.name if flat.tensors else "",
+            "tensors": records,
+            "blobs": flat.blobs,
+            "tree": flat.tree,
+            "compression": self.compression,
+            "level": self.level,
+            "keep_last": self.keep_last,
+            "hooks": _test_hooks(),
+        }
+        handle = SaveHandle(step, self)
+        self._last = handle
+        if self.stage2 == "inline":
+            buf = self._pool.view() if flat.tensors else memoryview(b"")
+            try:
+                write_step(self._fs, self._root, job, buf, L.always)
+            except Exception as e:
+                remove_partial(self._fs, self._root, step)
+                handle._finish(
+                    _write_error(step, f"{type(e).__name__}: {e}", getattr(e, "errno", None))
+                )
+            else:
+                handle._finish(None)
+            return handle
+        self._ensure_worker()
+        self._inflight = handle
+        self._conn.send(job)
+        return handle
+
+    def _raise_unobserved(self) -> None:
+        last = self._last
+        if last is not None and last._error is not None and not last._observed:
+            last._observed = True
+            raise last._error
+
+    def _ensure_worker(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self._stop_writer()  # a writer that died between saves
+        ours, theirs = socket.socketpair()
+        # The writer imports what this process imports (ms_ckpt, a custom fs class).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        code = (
+            "import sys; from ms_ckpt._worker import run; run(int(sys.argv[1]), int(sys.argv[2]))"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(theirs.fileno()), str(os.getpid())],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        conn = Connection(ours.detach())
+        conn.send((self._fs, self._root))
+        self._proc, self._conn = proc, conn
+
+    def _stop_writer(self) -> None:
+        """Ask the writer to exit (it finishes nothing: call between saves), then reap it."""
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+            conn.close()
+        if proc is not None:
+            try:
+                proc.wait(_JOIN_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(_JOIN_TIMEOUT)
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The stage-2 writer process's pid while it runs (None before the first save)."""
+        return None if self._proc is None else self._proc.pid
+
+    def _poll(self, handle: SaveHandle, timeout: float | None) -> None:
+        """Collect the writer's answer for the in-flight ``handle`` if it comes in time."""
+        if handle is not self._inflight or self._proc is None:
+            return
+        proc = self._proc
+        waited = 0.0
+        while True:
+            slice_s = 0.1 if timeout is None else min(0.1, max(0.0, timeout - waited))
+            if self._conn.poll(slice_s):
+                try:
+                    msg = self._conn.recv()
+                except (EOFError, OSError):
+                    msg = None
+                break
+            waited += slice_s
+            if proc.poll() is not None:
+                msg = None
+                break
+            if timeout is not None and waited >= timeout:
+                return
+        self._inflight = None
+        if msg is None:
+            self._stop_writer()
+            handle._finish(
+                _write_error(
+                    handle.step,
+                    f"the stage-2 writer process (pid {proc.pid}) died with exit code "
+                    f"{proc.returncode}",
+                    None,
+                )
+            )
+        elif msg[0] == "ok":
+            handle._finish(None)
+        else:
+            handle._finish(_write_error(handle.step, msg[2], msg[3]))
+
+    # ---------------------------------------------------------------- load
+
+    def steps(self) -> dict[int, bool]:
+        """Every step directory under the root: step -> committed (False: partial)."""
+        return dict(sorted(L.list_steps(self._fs, self._root).items()))
+
+    def load(
+        self, state: dict[str, Any], step: int | None = None, *, fallback: bool = False
+    ) -> int:
+        """Restore ``state`` in place from the newest committed checkpoint (or ``step``).
+
+        Every checksum is verified before anything is restored. A corrupt checkpoint
+        raises ``CheckpointCorruptError`` naming the file and key; with ``fallback=True``
+        the previous committed checkpoint is tried instead, with a warning. Returns the
+        step loaded.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        committed = sorted(
+            (s for s, ok in L.list_steps(self._fs, self._root).items() if ok), reverse=True
+        )
+        if step is not None:
+            if step not in committed:
+                raise CheckpointError(
+                    f"step {step} has no committed checkpoint under "
+                    f"{self.url} (committed: {sorted(committed)})"
+                )
+            committed = committed[committed.index(step) :]
+        if not committed:
+            raise CheckpointError(f"no committed checkpoint under {self.url}")
+        for i, s in enumerate(committed):
+            try:
+                manifest = _reader.read_manifest(self._fs, self._root, s)
+                tensors, blobs = _reader.read_records(self._fs, self._root, manifest)
+            except CheckpointCorruptError as e:
+                if not fallback:
+                    raise
+                if i + 1 == len(committed):
+                    raise CheckpointCorruptError(
+                        f"no intact committed checkpoint under {self.url}; last error: {e}"
+                    ) from e
+                warnings.warn(f"{e}; falling back to step {committed[i + 1]}", stacklevel=2)
+                continue
+            _tree.check(state, manifest["tree"], tensors, blobs)
+            _tree.restore(state, manifest["tree"], tensors, blobs)
+            return s
+        raise AssertionError("unreachable")
+
+    # ---------------------------------------------------------------- shutdown
+
+    def clean(self) -> None:
+        """Apply retention now (``keep_last``), e.g. after a crash left partial steps."""
+        if self.keep_last is not None:
+            apply_retention(self._fs, self._root, self.keep_last)
+
+    def finalize(self) -> None:
+        """Wait for the save in flight, stop the writer process, free the host buffer.
+
+        Raises the in-flight save's ``CheckpointWriteError`` if nobody waited for it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        try:
+            if self._inflight is not None:
+                self._poll(self._inflight, timeout=None)
+            self._raise_unobserved()
+        finally:
+            self._stop_writer()
+            self._pool.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.finalize()
+        else:  # do not hide the exception in flight behind a save error
+            try:
+                self.finalize()
+            except CheckpointWriteError as e:
+                warnings.warn(str(e), stacklevel=2)
+
+
+def _finalize_ref(ref: weakref.ref[Checkpointer]) -> None:
+    ckpt = ref()
+    if ckpt is not None:
+        try:
+            ckpt.finalize()
+        except CheckpointError as e:
+            warnings.warn(f"ms-ckpt at exit: {e}", stacklevel=1)
+
+
+def _write_error(step: int, message: str, errno: int | None) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        f"saving step {step} failed in stage 2: {message}. The step is partial; "
+        "'latest' and the committed checkpoints are untouched, training can continue",
+        step=step,
+        errno=errno,
+    )
+
+
+def _test_hooks() -> dict[str, float]:
+    spec = os.environ.get("MS_CKPT_TEST_PAUSE", "")
+    hooks: dict[str, float] = {}
+    for part in filter(None, spec.split(",")):
+        name, _, seconds = part.partition(":")
+        hooks[name.strip()] = float(seconds)
+    return hooks

@@ -1,0 +1,239 @@
+"""Checkpointer on real files (file://, with the stage-2 writer process) and memory://
+(stage 2 inline): round trips, stage-1 isolation, the in-flight policy, retention and
+load-time checks."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+
+from ms_ckpt import Checkpointer, CheckpointError, rng_state
+
+
+class Counter:
+    """A user Stateful object with a versioned state."""
+
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+        self.history: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "n": self.n, "history": list(self.history)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd["version"] != 1:
+            raise ValueError(f"Counter state version must be 1, got {sd['version']}")
+        self.n, self.history = sd["n"], list(sd["history"])
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.95))
+    if seed == 0:  # the saved state has optimizer moments; the fresh one has none
+        model(torch.randn(3, 6)).sum().backward()
+        opt.step()
+    counter = Counter(seed + 5)
+    counter.history = [seed, seed + 1]
+    g = torch.Generator().manual_seed(seed + 1)
+    return {
+        "model": model,
+        "optim": opt,
+        "rng": rng_state(),
+        "counter": counter,
+        "tensors": {
+            "bf16": torch.randn(4, 3, generator=g).to(torch.bfloat16),
+            "f16": torch.randn(7, generator=g).half(),
+            "i64": torch.randint(-(2**40), 2**40, (5,), generator=g),
+            "bool": torch.rand(9, generator=g) > 0.5,
+            "scalar": torch.tensor(3.5 + seed),
+            "empty": torch.empty(0, 4),
+            "strided": torch.randn(4, 6, generator=g).t(),
+        },
+        "nested": [torch.full((2,), float(seed)), (seed, "a"), {"k": None}],
+        "meta": {"epoch": seed, "lr": 0.5 + seed, "name": f"run{seed}", "inf": float("inf")},
+    }
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    ma, mb = a["model"].state_dict(), b["model"].state_dict()
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
+    oa, ob = a["optim"].state_dict(), b["optim"].state_dict()
+    assert oa["param_groups"] == ob["param_groups"]
+    assert oa["state"].keys() == ob["state"].keys() and oa["state"]
+    for i in oa["state"]:
+        for k, v in oa["state"][i].items():
+            assert torch.equal(v, ob["state"][i][k]), (i, k)
+    for k, t in a["tensors"].items():
+        u = b["tensors"][k]
+        assert t.dtype == u.dtype and t.shape == u.shape and torch.equal(t, u), k
+    assert torch.equal(a["nested"][0], b["nested"][0]) and a["nested"][1:] == b["nested"][1:]
+    assert a["meta"] == b["meta"]
+    assert a["counter"].state_dict() == b["counter"].state_dict()
+
+
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_round_trip(tmp_path: Path, scheme: str) -> None:
+    url = f"file://{tmp_path}/ck" if scheme == "file" else f"memory://ck-{uuid.uuid4().hex}"
+    saved = make_state(0)
+    torch.manual_seed(1234)
+    with Checkpointer(url) as ckpt:
+        assert ckpt.stage2 == ("process" if scheme == "file" else "inline")
+        handle = ckpt.save(100, saved)
+        handle.wait()
+        assert handle.done() and not handle.skipped
+        # What every RNG gives right after the save; load must bring these back.
+        expected = (torch.rand(5), np.random.rand(3), random.random())
+        fresh = make_state(1)
+        live_bf16 = fresh["tensors"]["bf16"]
+        assert ckpt.load(fresh) == 100
+    assert_same(saved, fresh)
+    assert fresh["tensors"]["bf16"] is live_bf16  # restored in place, not replaced
+    assert torch.equal(torch.rand(5), expected[0])
+    assert np.array_equal(np.random.rand(3), expected[1]) and random.random() == expected[2]
+    fs, root = fsspec.core.url_to_fs(url)
+    assert fs.cat_file(f"{root}/latest").decode().strip() == "step-00000100"
+    manifest = json.loads(fs.cat_file(f"{root}/step-00000100/manifest.json"))
+    assert manifest["step"] == 100 and manifest["world"]["world_size"] == 1
+    keys = {r["key"]: r for r in manifest["records"]}
+    assert keys["tensors/bf16"]["dtype"] == "bfloat16" and keys["tensors/bf16"]["shape"] == [4, 3]
+    if scheme == "memory":
+        fs.rm(root, recursive=True)
+
+
+def test_uncompressed_round_trip(tmp_path: Path) -> None:
+    saved = make_state(0)
+    with Checkpointer(str(tmp_path), compression="none") as ckpt:
+        ckpt.save(1, saved).wait()
+        fresh = make_state(1)
+        ckpt.load(fresh)
+    assert_same(saved, fresh)
+    manifest = json.loads((tmp_path / "step-00000001" / "manifest.json").read_text())
+    assert all(r["length"] == r["raw_length"] for r in manifest["records"])
+
+
+def test_tensor_changed_after_save_returns_is_not_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = torch.arange(10_000, dtype=torch.float32)
+    model = torch.nn.Linear(4, 4)
+    before = model.weight.detach().clone()
+    # The writer waits 0.5 s before reading the host buffer: the edits below land first.
+    monkeypatch.setenv("MS_CKPT_TEST_PAUSE", "stage2:0.5")
+    with Checkpointer(str(tmp_path)) as ckpt:
+        handle = ckpt.save(1, {"w": w, "model": model})
+        w.add_(1)
+        with torch.no_grad():
+            model.weight.zero_()
+        assert not handle.done()
+        handle.wait()
+        got = {"w": torch.zeros(10_000), "model": torch.nn.Linear(4, 4)}
+        ckpt.load(got)
+    assert torch.equal(got["w"], torch.arange(10_000, dtype=torch.float32))
+    assert torch.equal(got["model"].weight, before)
+
+
+def test_skip_policy_returns_skipped_handle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MS_CKPT_TEST_PAUSE", "stage2:1")
+    state = {"w": torch.ones(3)}
+    with Checkpointer(str(tmp_path), policy="skip") as ckpt:
+        first = ckpt.save(1, state)
+        second = ckpt.save(2, state)
+        assert second.skipped and second.done() and not first.done()
+        second.wait()  # a skipped save has nothing to wait for
+        first.wait()
+        monkeypatch.delenv("MS_CKPT_TEST_PAUSE")
+        third = ckpt.save(3, state)
+        assert not third.skipped
+        third.wait()
+        fourth = ckpt.save(4, state)
+        deadline = time.monotonic() + 60
+        while not ckpt._conn.poll(0.05):  # the writer has answered; nobody collected it
+            assert time.monotonic() < deadline, "the writer did not answer"
+        fifth = ckpt.save(5, state)  # the writer is idle: not skipped
+        assert not fifth.skipped and fourth.done()
+        fifth.wait()
+        assert ckpt.steps() == {1: True, 3: True, 4: True, 5: True}
+
+
+def test_wait_policy_waits_for_the_save_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MS_CKPT_TEST_PAUSE", "stage2:0.5")
+    w = torch.zeros(3)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        first = ckpt.save(1, {"w": w})
+        w.fill_(2)
+        second = ckpt.save(2, {"w": w})  # blocks until step 1 is committed
+        assert first.done() and not second.skipped
+        second.wait()
+        got = {"w": torch.empty(3)}
+        assert ckpt.load(got, step=1) == 1 and torch.equal(got["w"], torch.zeros(3))
+        assert ckpt.load(got) == 2 and torch.equal(got["w"], torch.full((3,), 2.0))
+
+
+def test_keep_last_keeps_newest_and_cleans_old_partials(tmp_path: Path) -> None:
+    state = {"w": torch.ones(3)}
+    with Checkpointer(str(tmp_path), keep_last=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, state).wait()
+        assert ckpt.steps() == {2: True, 3: True}
+        (tmp_path / "step-00000001").mkdir()  # partials left by crashes
+        (tmp_path / "step-00000009").mkdir()
+        ckpt.save(4, state).wait()
+        # Step 1's partial is older than the newest commit: cleaned. Step 9 may be a
+        # save still in flight elsewhere: kept.
+        assert ckpt.steps() == {3: True, 4: True, 9: False}
+    assert (tmp_path / "latest").read_text().strip() == "step-00000004"
+
+
+def test_load_refuses_mismatched_state(tmp_path: Path) -> None:
+    with Checkpointer(str(tmp_path)) as ckpt:
+        with pytest.raises(CheckpointError, match="no committed checkpoint"):
+            ckpt.load({"w": torch.ones(3)})
+        ckpt.save(5, {"w": torch.ones(3), "model": torch.nn.Linear(3, 2)}).wait()
+        with pytest.raises(CheckpointError, match=r"state\['w'\].*float32 \(3,\).*float64"):
+            ckpt.load({"w": torch.ones(3, dtype=torch.float64), "model": torch.nn.Linear(3, 2)})
+        with pytest.raises(CheckpointError, match=r"state\['model/weight'\].*\(2, 3\).*\(4, 3\)"):
+            ckpt.load({"w": torch.ones(3), "model": torch.nn.Linear(3, 4)})
+        with pytest.raises(CheckpointError, match=r"state\['extra'\]: not in the checkpoint"):
+            ckpt.load({"w": torch.ones(3), "model": torch.nn.Linear(3, 2), "extra": 1})
+        with pytest.raises(CheckpointError, match="step 4 has no committed checkpoint"):
+            ckpt.load({"w": torch.ones(3)}, step=4)
+
+
+def test_arguments_are_validated(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keep_last must be None or an int >= 1, got 0"):
+        Checkpointer(str(tmp_path), keep_last=0)
+    with pytest.raises(ValueError, match="compression must be"):
+        Checkpointer(str(tmp_path), compression="lz4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="another process cannot see"):
+        Checkpointer("memory://x", stage2="process")
+
+
+def test_pool_grows_and_latest_never_moves_back(tmp_path: Path) -> None:
+    small = {"w": torch.arange(10.0)}
+    big = {"w": torch.arange(300_000.0)}  # needs a larger host segment: the writer remaps
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(5, small).wait()
+        first_pool = ckpt._pool.name
+        ckpt.save(3, big).wait()  # re-saving an older step must not move 'latest' back
+        assert ckpt._pool.name != first_pool
+        assert (tmp_path / "latest").read_text().strip() == "step-00000005"
+        got = {"w": torch.empty(300_000)}
+        assert ckpt.load(got, step=3) == 3 and torch.equal(got["w"], big["w"])
+        got = {"w": torch.empty(10)}
+        assert ckpt.load(got) == 5 and torch.equal(got["w"], small["w"])
