@@ -9,7 +9,7 @@ STAMP := $(VENV)/.ms-installed
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-m 'not slow'"`.
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck pytest test-one bench-deps bench-optim bench-kernels bench-kernels-gpu bench-data clean
+.PHONY: run test lint typecheck pytest test-one bench-deps bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -59,6 +59,9 @@ bench-kernels: $(STAMP)
 bench-data: $(STAMP)
 	$(BIN)/python tools/bench/data/format_bench.py --reps 9
 	$(BIN)/python tools/bench/data/node_loading.py --reps 3
+
+bench-ckpt: $(STAMP)
+	$(BIN)/python tools/bench/ckpt/stall.py --gib 1 --reps 3
 
 # Without a CUDA device this prints "no CUDA device" and exits 0, measuring nothing.
 bench-kernels-gpu: $(STAMP)

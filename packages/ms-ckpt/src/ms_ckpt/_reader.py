@@ -53,33 +53,53 @@ def read_records(
     blobs: list[Any] = []
     sizes: dict[str, int] = {}
     for rec in manifest["records"]:
-        path = L.join(directory, rec["file"])
-        if path not in sizes:
-            try:
-                sizes[path] = fs.size(path)
-            except FileNotFoundError as e:
-                raise CheckpointCorruptError(f"{path}: shard file is missing") from e
-        start, end = rec["offset"], rec["offset"] + rec["length"]
-        where = f"{path}: record {rec['key']!r}"
-        if end > sizes[path]:
-            raise CheckpointCorruptError(
-                f"{where} needs bytes [{start}, {end}), the file has {sizes[path]} (truncated)"
-            )
-        # Ranged reads: the reader holds one record at a time, never a whole shard.
-        comp = fs.cat_file(path, start=start, end=end) if end > start else b""
-        if zlib.crc32(comp) != rec["crc32"]:
-            raise CheckpointCorruptError(f"{where}: crc32 of the stored bytes mismatch")
-        try:
-            raw = dctx.decompress(comp) if codec == "zstd" else bytes(comp)
-        except zstandard.ZstdError as e:
-            raise CheckpointCorruptError(f"{where}: cannot decompress ({e})") from e
-        if len(raw) != rec["raw_length"] or zlib.crc32(raw) != rec["raw_crc32"]:
-            raise CheckpointCorruptError(f"{where}: crc32 of the decompressed bytes mismatch")
-        if rec["kind"] == "pickle":
-            blobs.append(pickle.loads(raw))
-        else:
-            tensors.append(_tensor(raw, rec["dtype"], rec["shape"]))
+        value = decode(rec, verify_record(fs, directory, rec, codec, dctx, sizes))
+        (blobs if rec["kind"] == "pickle" else tensors).append(value)
     return tensors, blobs
+
+
+def verify_record(
+    fs: Any,
+    directory: str,
+    rec: dict[str, Any],
+    codec: str,
+    dctx: zstandard.ZstdDecompressor,
+    sizes: dict[str, int],
+) -> bytes:
+    """The raw bytes of one record after every check of docs/format.md passed.
+
+    ``sizes`` caches shard file sizes across calls (path -> bytes).
+    """
+    path = L.join(directory, rec["file"])
+    if path not in sizes:
+        try:
+            sizes[path] = fs.size(path)
+        except FileNotFoundError as e:
+            raise CheckpointCorruptError(f"{path}: shard file is missing") from e
+    start, end = rec["offset"], rec["offset"] + rec["length"]
+    where = f"{path}: record {rec['key']!r}"
+    if end > sizes[path]:
+        raise CheckpointCorruptError(
+            f"{where} needs bytes [{start}, {end}), the file has {sizes[path]} (truncated)"
+        )
+    # Ranged reads: the reader holds one record at a time, never a whole shard.
+    comp = fs.cat_file(path, start=start, end=end) if end > start else b""
+    if zlib.crc32(comp) != rec["crc32"]:
+        raise CheckpointCorruptError(f"{where}: crc32 of the stored bytes mismatch")
+    try:
+        raw = dctx.decompress(comp) if codec == "zstd" else bytes(comp)
+    except zstandard.ZstdError as e:
+        raise CheckpointCorruptError(f"{where}: cannot decompress ({e})") from e
+    if len(raw) != rec["raw_length"] or zlib.crc32(raw) != rec["raw_crc32"]:
+        raise CheckpointCorruptError(f"{where}: crc32 of the decompressed bytes mismatch")
+    return raw
+
+
+def decode(rec: dict[str, Any], raw: bytes) -> Any:
+    """A verified record's value: a tensor, or the unpickled object."""
+    if rec["kind"] == "pickle":
+        return pickle.loads(raw)
+    return _tensor(raw, rec["dtype"], rec["shape"])
 
 
 def _tensor(raw: bytes, dtype_name: str, shape: list[int]) -> torch.Tensor:
