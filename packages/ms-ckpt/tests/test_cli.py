@@ -127,11 +127,11 @@ def test_inspect_reports_manifest_and_verifies_every_record(
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "format: ms-ckpt version 1, step 2" in out
-    assert "world: world_size 1, dp_size 1" in out
+    assert "world: world_size 1, dp_size 1, parts 1" in out
     assert "compression: zstd level 3" in out
     records = manifest(root, 2)["records"]
     for rec in records:
-        line = next(x for x in out.splitlines() if x.split()[:2] == [rec["key"], rec["kind"]])
+        line = next(x for x in out.splitlines() if x.split()[:3] == ["0", rec["key"], rec["kind"]])
         if rec["kind"] == "tensor":
             assert rec["dtype"] in line and str(tuple(rec["shape"])) in line, line
         assert line.split()[-3:] == [str(rec["length"]), str(rec["raw_length"]), "OK"], line
@@ -161,7 +161,7 @@ def test_inspect_names_damaged_file_and_key(
     bad = [x for x in proc.stdout.splitlines() if x.startswith("DAMAGED:")]
     assert bad and str(shard) in bad[0] and "'extra/bf16'" in bad[0], proc.stdout
     assert ("truncated" if damage == "truncate" else "crc32") in bad[0]
-    model_line = next(x for x in proc.stdout.splitlines() if x.startswith("model/0.weight "))
+    model_line = next(x for x in proc.stdout.splitlines() if x.split()[1:2] == ["model/0.weight"])
     assert model_line.endswith("OK")
     assert "damaged" in proc.stderr
 

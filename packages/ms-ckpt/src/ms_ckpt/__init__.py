@@ -9,6 +9,7 @@ verified. The on-storage layout is docs/format.md.
 from ms_ckpt._version import __version__
 from ms_ckpt.checkpointer import Checkpointer, SaveHandle
 from ms_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from ms_ckpt.placement import PerRank, Sharded, per_rank
 from ms_ckpt.stateful import RNGState, Stateful, rng_state
 
 __all__ = [
@@ -16,9 +17,12 @@ __all__ = [
     "CheckpointError",
     "CheckpointWriteError",
     "Checkpointer",
+    "PerRank",
     "RNGState",
     "SaveHandle",
+    "Sharded",
     "Stateful",
     "__version__",
+    "per_rank",
     "rng_state",
 ]

@@ -30,6 +30,12 @@ def shard_name(rank: int) -> str:
     return f"rank-{rank:05d}.bin"
 
 
+def fragment_name(rank: int) -> str:
+    """A writing rank's list of its records, which the coordinator merges into the
+    manifest; removed after the commit."""
+    return f"rank-{rank:05d}.json"
+
+
 def join(*parts: str) -> str:
     return "/".join(p.rstrip("/") for p in parts)
 

@@ -42,20 +42,53 @@ def read_manifest(fs: Any, root: str, step: int) -> dict[str, Any]:
     return doc
 
 
-def read_records(
-    fs: Any, root: str, manifest: dict[str, Any]
-) -> tuple[list[torch.Tensor], list[Any]]:
-    """Every tensor and unpickled object, in record order, each checksum verified."""
+def read_part(fs: Any, root: str, manifest: dict[str, Any], part: int = 0, dp_rank: int = 0) -> Any:
+    """One part of a step as plain values, every checksum verified: sharded tensors whole,
+    per-rank values those of ``dp_rank`` (for tools; training loads with ``load``)."""
+    from ms_ckpt import _tree
+
+    parts = manifest["parts"]
+    if not 0 <= part < len(parts):
+        raise ValueError(f"part must be in [0, {len(parts)}), got {part}")
+    dp_size = manifest["world"]["dp_size"]
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
     directory = L.join(root, L.step_dir(manifest["step"]))
     codec = manifest["compression"]["codec"]
     dctx = zstandard.ZstdDecompressor()
-    tensors: list[torch.Tensor] = []
-    blobs: list[Any] = []
     sizes: dict[str, int] = {}
+    values: dict[str, Any] = {}
+    pieces: dict[str, list[tuple[dict[str, Any], torch.Tensor]]] = {}
     for rec in manifest["records"]:
+        if rec["part"] != part:
+            continue
+        if "shard" not in rec and rec.get("dp_rank", dp_rank) != dp_rank:
+            continue  # another rank's per-rank value
         value = decode(rec, verify_record(fs, directory, rec, codec, dctx, sizes))
-        (blobs if rec["kind"] == "pickle" else tensors).append(value)
-    return tensors, blobs
+        if "shard" in rec:
+            pieces.setdefault(rec["key"], []).append((rec, value))
+        else:
+            values[rec["key"]] = value
+    for key, got in pieces.items():
+        info = got[0][0]["shard"]
+        out = torch.empty(info["global_shape"], dtype=got[0][1].dtype)  # empty pieces too
+        values[key] = assemble(out, 0, info["dim"], got)
+    subtrees = {k: v[dp_rank] for k, v in parts[part]["per_rank"].items()}
+    return _tree.materialize(parts[part]["tree"], _tree.Values(values, subtrees))
+
+
+def assemble(
+    out: torch.Tensor, lo: int, dim: int, pieces: list[tuple[dict[str, Any], torch.Tensor]]
+) -> torch.Tensor:
+    """Fill ``out``, rows ``[lo, lo + out.shape[dim])`` along ``dim`` of a sharded tensor,
+    from the stored pieces (record, tensor) that overlap it."""
+    hi = lo + out.shape[dim]
+    for rec, piece in pieces:
+        p_lo = rec["shard"]["offset"]
+        a, b = max(lo, p_lo), min(hi, p_lo + piece.shape[dim])
+        if b > a:
+            out.narrow(dim, a - lo, b - a).copy_(piece.narrow(dim, a - p_lo, b - a))
+    return out
 
 
 def verify_record(

@@ -1,99 +1,196 @@
-"""Flatten a nested training state into a JSON skeleton plus tensors and pickled blobs,
-and restore it in place (docs/format.md, "The tree").
+"""Flatten a nested training state into a JSON skeleton plus records, and restore it in
+place (docs/format.md, "The tree").
 
-Node encodings: ``{"t": i}`` tensor record i; ``{"p": i}`` pickle record i; ``{"v": x}``
-a JSON scalar; ``{"d": [[key, node], ...]}`` a dict with str/int keys (``"m"``: a pickle
-record of its ``_metadata``, which ``nn.Module.state_dict()`` carries); ``{"l": [...]}``
-a list; ``{"u": [...]}`` a tuple; ``{"s": node}`` the ``state_dict()`` of a Stateful.
+Every leaf that is not a JSON scalar becomes a record named by its path (``model/w``),
+and the skeleton refers to it by that key:
+
+``{"t": key}`` a tensor; ``{"h": key}`` a DP-sharded tensor (``Sharded``); ``{"p": key}``
+a pickled value; ``{"v": x}`` a JSON scalar; ``{"d": [[k, node], ...]}`` a dict with
+str/int keys (``"m": key``: the pickle record of its ``_metadata``, which
+``nn.Module.state_dict()`` carries); ``{"l": [...]}`` a list; ``{"u": [...]}`` a tuple;
+``{"s": node}`` the ``state_dict()`` of a Stateful; ``{"r": key}`` a per-rank value,
+whose subtree each DP rank stores separately (``per_rank``, ``rng_state()``).
 """
 
 from __future__ import annotations
 
 import math
 import pickle
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from ms_ckpt.errors import CheckpointError
-from ms_ckpt.stateful import Stateful
+from ms_ckpt.placement import PerRank, Sharded
+from ms_ckpt.stateful import RNGState, Stateful
+
+Scope = Literal["replicated", "rank", "shard"]
+
+
+@dataclass
+class Item:
+    """One record to write: ``value`` is a tensor or pickled bytes."""
+
+    key: str
+    value: torch.Tensor | bytes
+    scope: Scope
+    shard: dict[str, Any] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        v = self.value
+        return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else len(v)
 
 
 @dataclass
 class Flat:
     tree: dict[str, Any]
-    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    blobs: list[tuple[str, bytes]] = field(default_factory=list)
+    items: list[Item] = field(default_factory=list)
+    per_rank: dict[str, dict[str, Any]] = field(default_factory=dict)
+    keys: set[str] = field(default_factory=set)
+
+    def add(self, item: Item) -> str:
+        if item.key in self.keys:
+            raise ValueError(
+                f"state[{item.key!r}]: two values flatten to this key (a str and an int "
+                "dict key that print alike, or a '/' inside a key); rename one"
+            )
+        self.keys.add(item.key)
+        self.items.append(item)
+        return item.key
 
 
 def _is_stateful(x: Any) -> bool:
     return not isinstance(x, (dict, type)) and isinstance(x, Stateful)
 
 
+def _is_per_rank(x: Any) -> bool:
+    return isinstance(x, (PerRank, RNGState))
+
+
+def _join(path: str, k: Any) -> str:
+    return f"{path}/{k}" if path else str(k)
+
+
 def flatten(state: dict[str, Any]) -> Flat:
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
     flat = Flat(tree={})
-    flat.tree = _flatten(state, "", flat)
+    flat.tree = _flatten(state, "", flat, "replicated")
     return flat
 
 
-def _pickle(x: Any, path: str, flat: Flat) -> dict[str, Any]:
+def _pickle(x: Any, path: str, flat: Flat, scope: Scope) -> str:
     try:
         blob = pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
         raise TypeError(f"state[{path!r}]: cannot pickle {type(x).__name__}: {e}") from e
-    flat.blobs.append((path, blob))
-    return {"p": len(flat.blobs) - 1}
+    return flat.add(Item(path, blob, scope))
 
 
-def _flatten(x: Any, path: str, flat: Flat) -> dict[str, Any]:
+def _dense(x: torch.Tensor, path: str) -> torch.Tensor:
+    if x.layout != torch.strided or x.is_quantized:
+        raise TypeError(f"state[{path!r}]: only dense tensors are supported, got {x.layout}")
+    return x.detach()
+
+
+def _flatten(x: Any, path: str, flat: Flat, scope: Scope) -> dict[str, Any]:
     if isinstance(x, torch.Tensor):
-        if x.layout != torch.strided or x.is_quantized:
-            raise TypeError(f"state[{path!r}]: only dense tensors are supported, got {x.layout}")
-        flat.tensors.append((path, x.detach()))
-        return {"t": len(flat.tensors) - 1}
+        return {"t": flat.add(Item(path, _dense(x, path), scope))}
+    if isinstance(x, Sharded):
+        if scope == "rank":
+            raise TypeError(f"state[{path!r}]: a Sharded tensor cannot be inside per_rank()")
+        info = {"global_shape": list(x.global_shape), "dim": x.dim, "offset": x.offset}
+        return {"h": flat.add(Item(path, _dense(x.local, path), "shard", info))}
+    if _is_per_rank(x) and scope != "rank":
+        inner = x.value if isinstance(x, PerRank) else x
+        flat.per_rank[path] = _flatten(inner, path, flat, "rank")
+        return {"r": path}
+    if isinstance(x, PerRank):  # per_rank inside per_rank: already per rank
+        return _flatten(x.value, path, flat, scope)
     if _is_stateful(x):
-        return {"s": _flatten(x.state_dict(), path, flat)}
+        return {"s": _flatten(x.state_dict(), path, flat, scope)}
     if isinstance(x, dict) and all(type(k) in (str, int) for k in x):
         node: dict[str, Any] = {
-            "d": [[k, _flatten(v, f"{path}/{k}" if path else str(k), flat)] for k, v in x.items()]
+            "d": [[k, _flatten(v, _join(path, k), flat, scope)] for k, v in x.items()]
         }
         meta = getattr(x, "_metadata", None)
         if meta is not None:
-            node["m"] = _pickle(meta, f"{path}/_metadata", flat)["p"]
+            node["m"] = _pickle(meta, f"{path}/_metadata", flat, scope)
         return node
     if type(x) in (list, tuple):
-        items = [_flatten(v, f"{path}/{i}", flat) for i, v in enumerate(x)]
+        items = [_flatten(v, f"{path}/{i}", flat, scope) for i, v in enumerate(x)]
         return {"l": items} if type(x) is list else {"u": items}
     if x is None or type(x) in (bool, int, str) or (type(x) is float and math.isfinite(x)):
         return {"v": x}
-    return _pickle(x, path, flat)
+    return {"p": _pickle(x, path, flat, scope)}
 
 
-def materialize(node: dict[str, Any], tensors: list[torch.Tensor], blobs: list[Any]) -> Any:
-    """The value a skeleton node stands for, built from loaded records."""
-    if "t" in node:
-        return tensors[node["t"]]
-    if "p" in node:
-        return blobs[node["p"]]
+# ------------------------------------------------------------------------- loading
+
+
+@dataclass
+class Values:
+    """What a skeleton's keys stand for on this rank: ``values[key]`` is a tensor or an
+    unpickled value; ``per_rank[key]`` this rank's subtree of an ``{"r": key}`` node;
+    ``placements[key]`` the live ``Sharded`` an ``{"h": key}`` record is restored into
+    (absent: the whole tensor)."""
+
+    values: dict[str, Any]
+    per_rank: dict[str, dict[str, Any]]
+    placements: dict[str, Sharded] = field(default_factory=dict)
+
+
+def materialize(node: dict[str, Any], v: Values) -> Any:
+    """The value a skeleton node stands for."""
+    if "t" in node or "p" in node:
+        return v.values[node["t"] if "t" in node else node["p"]]
+    if "h" in node:
+        key = node["h"]
+        live = v.placements.get(key)
+        if live is None:
+            return v.values[key]
+        return Sharded(v.values[key], live.global_shape, live.offset, live.dim)
+    if "r" in node:
+        return materialize(v.per_rank[node["r"]], v)
     if "v" in node:
         return node["v"]
     if "s" in node:
-        return materialize(node["s"], tensors, blobs)
+        return materialize(node["s"], v)
     if "d" in node:
-        out: dict[Any, Any] = {k: materialize(v, tensors, blobs) for k, v in node["d"]}
+        out: dict[Any, Any] = {k: materialize(c, v) for k, c in node["d"]}
         if "m" in node:
-            from collections import OrderedDict
-
             od: Any = OrderedDict(out)
-            od._metadata = blobs[node["m"]]
+            od._metadata = v.values[node["m"]]
             return od
         return out
     if "l" in node:
-        return [materialize(v, tensors, blobs) for v in node["l"]]
-    return tuple(materialize(v, tensors, blobs) for v in node["u"])
+        return [materialize(c, v) for c in node["l"]]
+    return tuple(materialize(c, v) for c in node["u"])
+
+
+def walk_live(state: Any, visit: Callable[[str, Any], None], path: str = "") -> None:
+    """Call ``visit(path, leaf)`` for every tensor and Sharded of the live state, looking
+    through Stateful objects, per_rank wrappers, dicts, lists and tuples."""
+    if isinstance(state, (torch.Tensor, Sharded)):
+        visit(path, state)
+    elif isinstance(state, PerRank):
+        walk_live(state.value, visit, path)
+    elif _is_stateful(state):
+        walk_live(state.state_dict(), visit, path)
+    elif isinstance(state, dict):
+        for k, x in state.items():
+            walk_live(x, visit, _join(path, k))
+    elif type(state) in (list, tuple):
+        for i, x in enumerate(state):
+            walk_live(x, visit, f"{path}/{i}")
+
+
+def _tensor_of(x: Any) -> Any:
+    return x.local if isinstance(x, Sharded) else x
 
 
 def _check_tensor(path: str, live: torch.Tensor, saved: torch.Tensor) -> None:
@@ -106,54 +203,66 @@ def _check_tensor(path: str, live: torch.Tensor, saved: torch.Tensor) -> None:
 
 def _check_against(path: str, live: Any, saved: Any) -> None:
     """Every tensor the live state has at a path the checkpoint also has must match it."""
+    live, saved = _tensor_of(live), _tensor_of(saved)
+    if isinstance(live, PerRank):
+        live = live.value
     if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
         _check_tensor(path, live, saved)
     elif isinstance(live, dict) and isinstance(saved, dict):
-        for k, v in live.items():
+        for k, x in live.items():
             if k in saved:
-                _check_against(f"{path}/{k}" if path else str(k), v, saved[k])
+                _check_against(_join(path, k), x, saved[k])
     elif isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
         for i, (a, b) in enumerate(zip(live, saved, strict=False)):
             _check_against(f"{path}/{i}", a, b)
 
 
-def check(
-    live: Any, node: dict[str, Any], tensors: list[torch.Tensor], blobs: list[Any], path: str = ""
-) -> None:
-    """Raise before anything is modified if ``live`` cannot take the checkpoint."""
-    if "s" in node:
+def check(live: Any, node: dict[str, Any], v: Values, path: str = "") -> None:
+    """Raise before anything is modified if ``live`` cannot take the checkpoint. ``v`` may
+    hold placeholders (meta tensors): only dtypes and shapes are compared."""
+    if isinstance(live, PerRank):
+        live = live.value
+    if "r" in node:
+        check(live, v.per_rank[node["r"]], v, path)
+    elif "s" in node and isinstance(live, dict):  # a saved Stateful into a plain dict
+        check(live, node["s"], v, path)
+    elif "s" in node:
         if not _is_stateful(live):
             raise CheckpointError(
                 f"state[{path!r}]: checkpoint holds a Stateful's state_dict, "
                 f"the live state has {type(live).__name__}"
             )
-        _check_against(path, live.state_dict(), materialize(node, tensors, blobs))
-    elif "t" in node and isinstance(live, torch.Tensor):
-        _check_tensor(path, live, tensors[node["t"]])
+        _check_against(path, live.state_dict(), materialize(node, v))
+    elif ("t" in node or "h" in node) and isinstance(live, (torch.Tensor, Sharded)):
+        _check_tensor(path, _tensor_of(live), _tensor_of(materialize(node, v)))
     elif "d" in node and isinstance(live, dict):
-        saved = {k: v for k, v in node["d"]}
+        saved = {k: c for k, c in node["d"]}
         for k in live:
             if k not in saved:
-                where = f"{path}/{k}" if path else str(k)
-                raise CheckpointError(f"state[{where!r}]: not in the checkpoint")
-        for k, v in node["d"]:
+                raise CheckpointError(f"state[{_join(path, k)!r}]: not in the checkpoint")
+        for k, c in node["d"]:
             if k in live:
-                check(live[k], v, tensors, blobs, f"{path}/{k}" if path else str(k))
+                check(live[k], c, v, _join(path, k))
 
 
-def restore(live: Any, node: dict[str, Any], tensors: list[torch.Tensor], blobs: list[Any]) -> Any:
+def restore(live: Any, node: dict[str, Any], v: Values) -> Any:
     """Load ``node`` into ``live`` in place; return the value the parent should hold."""
-    if "s" in node:
-        live.load_state_dict(materialize(node, tensors, blobs))
+    if isinstance(live, PerRank):
+        live.value = restore(live.value, node, v)
         return live
-    if "t" in node and isinstance(live, torch.Tensor):
+    if "r" in node:
+        return restore(live, v.per_rank[node["r"]], v)
+    if "s" in node:
+        if not _is_stateful(live):
+            return restore(live, node["s"], v)
+        live.load_state_dict(materialize(node, v))
+        return live
+    if ("t" in node or "h" in node) and isinstance(live, (torch.Tensor, Sharded)):
         with torch.no_grad():
-            live.copy_(tensors[node["t"]])
+            _tensor_of(live).copy_(_tensor_of(materialize(node, v)))
         return live
     if "d" in node and isinstance(live, dict):
-        for k, v in node["d"]:
-            live[k] = (
-                restore(live[k], v, tensors, blobs) if k in live else materialize(v, tensors, blobs)
-            )
+        for k, c in node["d"]:
+            live[k] = restore(live[k], c, v) if k in live else materialize(c, v)
         return live
-    return materialize(node, tensors, blobs)
+    return materialize(node, v)

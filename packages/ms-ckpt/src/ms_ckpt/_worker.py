@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Connection
 from typing import Any
 
 from ms_ckpt._layout import ParentGone
-from ms_ckpt._writer import remove_partial, write_step
+from ms_ckpt._writer import describe, run_job
 
 
 def run(fd: int, parent_pid: int) -> None:
@@ -57,15 +56,11 @@ def main(conn: Connection, fs: Any, root: str, parent_pid: int) -> None:
                 seg = segments[job["pool"]] = _attach(job["pool"])
             buf = seg.buf if seg is not None and seg.buf is not None else memoryview(b"")
             try:
-                write_step(fs, root, job, buf, alive)
+                run_job(fs, root, job, buf, alive)
             except ParentGone:
                 return
             except Exception as e:
-                remove_partial(fs, root, job["step"])
-                msg = f"{type(e).__name__}: {e}"
-                if not isinstance(e, OSError):
-                    msg += "\n" + traceback.format_exc()
-                conn.send(("error", job["step"], msg, getattr(e, "errno", None)))
+                conn.send(("error", job["step"], describe(e), getattr(e, "errno", None)))
             else:
                 conn.send(("ok", job["step"]))
             del buf

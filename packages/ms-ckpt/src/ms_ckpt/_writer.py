@@ -6,7 +6,10 @@ see (memory://), in the caller. Pure I/O on bytes: no torch import is needed her
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+import traceback
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +22,25 @@ from ms_ckpt._layout import ParentGone
 FORMAT = "ms-ckpt"
 VERSION = 1
 _CHUNK = 16 << 20  # bytes compressed per call: bounds the writer's extra memory
+
+
+class StepRefused(Exception):
+    """The coordinator will not commit this step: the ranks' parts do not fit together."""
+
+
+class CommitTimeout(StepRefused):
+    """Some rank's part did not arrive within ``commit_timeout``."""
+
+
+def describe(e: BaseException) -> str:
+    """A stage-2 failure for the error the trainer raises: our own refusals as they are
+    worded, OS errors with their type, anything unexpected with its traceback."""
+    if isinstance(e, StepRefused):
+        return str(e)
+    msg = f"{type(e).__name__}: {e}"
+    if not isinstance(e, OSError):
+        msg += "\n" + "".join(traceback.format_exception(e))
+    return msg
 
 
 def manifest_bytes(body: dict[str, Any]) -> bytes:
@@ -52,6 +74,47 @@ def _write_record(f: Any, data: memoryview, codec: str, level: int) -> tuple[int
     return length, raw_crc, comp_crc
 
 
+def run_job(
+    fs: Any, root: str, job: dict[str, Any], buf: memoryview, alive: Callable[[], bool]
+) -> None:
+    """Stage 2 of one save on this rank; on failure clean up what it may, then raise.
+
+    With several ranks a failing rank leaves an error fragment, so that the coordinator
+    fails the step at once instead of waiting for it; the coordinator removes the
+    partial step once every rank is done with it.
+    """
+    try:
+        write_step(fs, root, job, buf, alive)
+    except ParentGone:
+        raise
+    except Exception as e:
+        if job["world"]["world_size"] == 1:
+            remove_partial(fs, root, job["step"])
+        else:
+            directory = L.join(root, L.step_dir(job["step"]))
+            with contextlib.suppress(Exception):
+                fs.rm(L.join(directory, L.shard_name(job["rank"])))
+            write_error_fragment(fs, root, job, describe(e).split("\n", 1)[0])
+            if job["coordinator"] and not isinstance(e, CommitTimeout):
+                # Remove the partial step once no rank writes into it any more; after a
+                # timeout some rank may still be writing: retention removes it later.
+                _await_fragments(fs, directory, job, alive, errors_ok=True)
+                remove_partial(fs, root, job["step"])
+        raise
+
+
+def write_error_fragment(fs: Any, root: str, job: dict[str, Any], message: str) -> None:
+    """Best effort: tell the coordinator this rank's part of the step failed."""
+    directory = L.join(root, L.step_dir(job["step"]))
+    body = {"nonce": job["nonce"], "seq": job["seq"], "rank": job["rank"], "error": message}
+    with contextlib.suppress(Exception):
+        L.commit_file(fs, L.join(directory, L.fragment_name(job["rank"])), _json(body))
+
+
+def _json(body: dict[str, Any]) -> bytes:
+    return (json.dumps(body, sort_keys=True) + "\n").encode()
+
+
 def write_step(
     fs: Any, root: str, job: dict[str, Any], buf: memoryview, alive: Callable[[], bool]
 ) -> None:
@@ -62,26 +125,21 @@ def write_step(
     directory = L.join(root, L.step_dir(step))
     if fs.exists(L.join(directory, L.MANIFEST)):
         raise FileExistsError(f"step {step} is already committed at {directory}")
-    if fs.exists(directory):  # a partial left by a crash: start it over
-        fs.rm(directory, recursive=True)
     fs.makedirs(directory, exist_ok=True)
-    shard = L.shard_name(job["rank"])
+    shard, frag = L.shard_name(job["rank"]), L.fragment_name(job["rank"])
+    for name in (frag, shard):  # left by an earlier attempt at this step: start over
+        if fs.exists(L.join(directory, name)):
+            fs.rm(L.join(directory, name))
     records: list[dict[str, Any]] = []
     offset = 0
     with fs.open(L.join(directory, shard), "wb") as f:
         items: list[tuple[dict[str, Any], memoryview]] = []
         for rec in job["tensors"]:
             start = rec["pool_offset"]
-            items.append(
-                (
-                    {k: v for k, v in rec.items() if k != "pool_offset"} | {"kind": "tensor"},
-                    buf[start : start + rec["raw_length"]],
-                )
-            )
-        for key, blob in job["blobs"]:
-            items.append(
-                ({"key": key, "kind": "pickle", "raw_length": len(blob)}, memoryview(blob))
-            )
+            meta = {k: v for k, v in rec.items() if k != "pool_offset"}
+            items.append((meta | {"kind": "tensor"}, buf[start : start + rec["raw_length"]]))
+        for meta, blob in job["blobs"]:
+            items.append((meta | {"kind": "pickle", "raw_length": len(blob)}, memoryview(blob)))
         for meta, data in items:
             L.pause(hooks, "record", alive)
             if not alive():
@@ -90,6 +148,7 @@ def write_step(
             records.append(
                 meta
                 | {
+                    "part": job["part"],
                     "file": shard,
                     "offset": offset,
                     "length": length,
@@ -99,25 +158,194 @@ def write_step(
             )
             offset += length
         L.fsync_file(fs, f)
+    mine = {
+        "nonce": job["nonce"],
+        "seq": job["seq"],
+        "rank": job["rank"],
+        "part": job["part"],
+        "dp_rank": job["dp_rank"],
+        "file": shard,
+        "bytes": offset,
+        "tree": job["tree"],
+        "per_rank": job["per_rank"],
+        "records": records,
+        "error": None,
+    }
+    if job["world"]["world_size"] > 1:
+        L.commit_file(fs, L.join(directory, frag), _json(mine))
+        if not job["coordinator"]:
+            return
+        fragments = _await_fragments(fs, directory, job, alive, errors_ok=False)
+    else:
+        fragments = {}
+    fragments[job["rank"]] = mine
     body = {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "world": {
-            "world_size": 1,
-            "dp_size": 1,
-            "writers": [{"rank": job["rank"], "dp_rank": 0, "file": shard, "bytes": offset}],
-        },
         "compression": {"codec": codec, "level": job["level"] if codec == "zstd" else None},
-        "records": records,
-        "tree": job["tree"],
-    }
+    } | merge(fragments, job["world"])
     if not alive():
         raise ParentGone
+    for name in fs.ls(directory, detail=False):  # temporaries of a crashed attempt
+        if name.rsplit("/", 1)[-1].startswith(L.MANIFEST + ".tmp-"):
+            fs.rm(name)
     L.commit_file(fs, L.join(directory, L.MANIFEST), manifest_bytes(body), hooks, alive)
+    for r in fragments:
+        if r != job["rank"] or job["world"]["world_size"] > 1:
+            with contextlib.suppress(Exception):
+                fs.rm(L.join(directory, L.fragment_name(r)))
     _move_latest(fs, root, step)
     if job["keep_last"] is not None:
         apply_retention(fs, root, job["keep_last"])
+
+
+def _await_fragments(
+    fs: Any, directory: str, job: dict[str, Any], alive: Callable[[], bool], *, errors_ok: bool
+) -> dict[int, dict[str, Any]]:
+    """The coordinator waits for every other rank's fragment of this save (same nonce and
+    sequence number: a fragment an earlier attempt left is not taken)."""
+    world = job["world"]["world_size"]
+    want = set(range(world)) - {job["rank"]}
+    got: dict[int, dict[str, Any]] = {}
+    timeout = job["commit_timeout"]
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while want:
+        with contextlib.suppress(Exception):
+            fs.invalidate_cache(directory)
+        try:
+            present = {n.rsplit("/", 1)[-1] for n in fs.ls(directory, detail=False)}
+        except FileNotFoundError:
+            present = set()
+        for r in sorted(want):
+            name = L.fragment_name(r)
+            if name not in present:
+                continue
+            try:
+                doc = json.loads(fs.cat_file(L.join(directory, name)))
+            except (FileNotFoundError, ValueError):
+                continue
+            if doc.get("nonce") != job["nonce"] or doc.get("seq") != job["seq"]:
+                continue  # stale: an earlier attempt's
+            if doc.get("error") and not errors_ok:
+                raise StepRefused(f"rank {r} failed to write its part: {doc['error']}")
+            got[r] = doc
+            want.discard(r)
+        if not want:
+            break
+        if not alive():
+            raise ParentGone
+        if time.monotonic() > deadline:
+            if errors_ok:
+                return got
+            raise CommitTimeout(
+                f"ranks {sorted(want)} did not finish writing step {job['step']} within "
+                f"commit_timeout={timeout} s (their writer died or is stuck)"
+            )
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+    return got
+
+
+def merge(fragments: dict[int, dict[str, Any]], world: dict[str, int]) -> dict[str, Any]:
+    """The manifest's ``world``, ``records`` and ``parts`` from every rank's fragment;
+    refuses structures that differ within a DP group and shards that do not tile."""
+    dp_size, n_parts = world["dp_size"], world["parts"]
+    parts: list[dict[str, Any]] = [{"tree": None, "per_rank": {}} for _ in range(n_parts)]
+    first: dict[int, int] = {}
+    writers: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = []
+    for r in sorted(fragments):
+        frag = fragments[r]
+        p = frag["part"]
+        writers.append(
+            {
+                "rank": r,
+                "part": p,
+                "dp_rank": frag["dp_rank"],
+                "file": frag["file"],
+                "bytes": frag["bytes"],
+            }
+        )
+        if parts[p]["tree"] is None:
+            parts[p]["tree"], first[p] = frag["tree"], r
+        elif parts[p]["tree"] != frag["tree"]:
+            where = first_difference(parts[p]["tree"], frag["tree"]) or "the root"
+            raise StepRefused(
+                f"ranks {first[p]} and {r} of one data-parallel group saved differently "
+                f"structured state (first difference at {where}); state that differs "
+                "across data-parallel ranks must be wrapped in ms_ckpt.per_rank()"
+            )
+        for path, sub in frag["per_rank"].items():
+            parts[p]["per_rank"].setdefault(path, [None] * dp_size)[frag["dp_rank"]] = sub
+        records.extend(frag["records"])
+    _check_records(records, n_parts)
+    return {"world": dict(world, writers=writers), "records": records, "parts": parts}
+
+
+def _check_records(records: list[dict[str, Any]], n_parts: int) -> None:
+    """Each replicated key once per part; each sharded key's pieces tile its tensor."""
+    seen: set[tuple[int, str, int | None]] = set()
+    pieces: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for rec in records:
+        ident = (rec["part"], rec["key"], rec.get("dp_rank"))
+        if "shard" in rec:
+            pieces.setdefault((rec["part"], rec["key"]), []).append(rec)
+        elif ident in seen:
+            raise StepRefused(f"part {rec['part']}: key {rec['key']!r} was written twice")
+        seen.add(ident)
+    for (part, key), recs in pieces.items():
+        g = recs[0]["shard"]
+        dim, size = g["dim"], g["global_shape"][g["dim"]]
+        covered = 0
+        for rec in sorted(recs, key=lambda x: x["shard"]["offset"]):
+            s = rec["shard"]
+            if (s["global_shape"], s["dim"], rec["dtype"]) != (
+                g["global_shape"],
+                dim,
+                recs[0]["dtype"],
+            ):
+                raise StepRefused(
+                    f"part {part}: the DP ranks' slices of {key!r} disagree on the global "
+                    f"tensor ({s['global_shape']} dim {s['dim']} {rec['dtype']} vs "
+                    f"{g['global_shape']} dim {dim} {recs[0]['dtype']})"
+                )
+            if s["offset"] != covered:
+                raise StepRefused(
+                    f"part {part}: the DP ranks' slices of {key!r} must tile it along dim "
+                    f"{dim}; after [0, {covered}) comes a slice at offset {s['offset']}"
+                )
+            covered += rec["shape"][dim]
+        if covered != size:
+            raise StepRefused(
+                f"part {part}: the DP ranks' slices of {key!r} cover [0, {covered}) of "
+                f"{size} along dim {dim}"
+            )
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """The first path at which two skeletons differ, or None when equal."""
+    if a == b:
+        return None
+    if isinstance(a, dict) and isinstance(b, dict) and "d" in a and "d" in b:
+        ka, kb = [k for k, _ in a["d"]], [k for k, _ in b["d"]]
+        if ka != kb:
+            extra = sorted(map(str, set(ka) ^ set(kb))) or ka
+            return repr(f"{path}/{extra[0]}" if path else str(extra[0]))
+        for (k, x), (_, y) in zip(a["d"], b["d"], strict=True):
+            found = first_difference(x, y, f"{path}/{k}" if path else str(k))
+            if found:
+                return found
+    for kind in ("s", "l", "u"):
+        if isinstance(a, dict) and isinstance(b, dict) and kind in a and kind in b:
+            xs = [a[kind]] if kind == "s" else a[kind]
+            ys = [b[kind]] if kind == "s" else b[kind]
+            for i, (x, y) in enumerate(zip(xs, ys, strict=False)):
+                found = first_difference(x, y, path if kind == "s" else f"{path}/{i}")
+                if found:
+                    return found
+    return repr(path)
 
 
 def _move_latest(fs: Any, root: str, step: int) -> None:

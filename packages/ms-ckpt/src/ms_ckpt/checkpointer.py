@@ -23,11 +23,13 @@ from multiprocessing.connection import Connection
 from typing import Any, Literal
 
 import fsspec
+import torch
+import torch.distributed as dist
 
 from ms_ckpt import _layout as L
-from ms_ckpt import _reader, _tree
+from ms_ckpt import _load, _plan, _reader, _tree
 from ms_ckpt._pool import HostPool, stage1_copy
-from ms_ckpt._writer import apply_retention, remove_partial, write_step
+from ms_ckpt._writer import apply_retention, describe, run_job, write_error_fragment
 from ms_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
 __all__ = ["Checkpointer", "SaveHandle"]
@@ -80,8 +82,23 @@ class SaveHandle:
 class Checkpointer:
     """Saves and loads training state under ``url`` (any fsspec URL).
 
+    With several processes every rank of ``group`` constructs it and calls ``save`` and
+    ``load`` with the same steps (both are collective). The ranks of one data-parallel
+    group (``dp_group``) hold the same state, except values marked ``per_rank`` and
+    ``Sharded`` slices (see ``ms_ckpt.placement``): each replicated tensor is copied and
+    written by one rank of the group, and on load read by one rank and broadcast.
+
     Args:
-        url: root of the checkpoints; step ``N`` lives in ``<url>/step-0000000N/``.
+        url: root of the checkpoints; step ``N`` lives in ``<url>/step-0000000N/``. Every
+            rank must see the same storage.
+        group: the process group that saves together (default: the default group when
+            ``torch.distributed`` is initialized, else this process alone).
+        dp_group: this rank's data-parallel group, a subgroup of ``group`` (default:
+            ``group``: every rank a replica, as with DDP). Each DP group of ``group``
+            is one part of the checkpoint (a tensor/pipeline-parallel partition).
+        mesh: a ``DeviceMesh`` over the whole world instead of ``group``/``dp_group``;
+            ``dp_dim`` names its data-parallel dimension.
+        dp_dim: the mesh dimension that is data parallel (a name or an index).
         keep_last: after each commit keep this many newest committed steps (None: all).
             The newest committed step is never deleted; partial steps older than it are.
         compression: ``"zstd"`` or ``"none"``.
@@ -92,6 +109,8 @@ class Checkpointer:
             another process cannot see).
         fs: an fsspec filesystem to use instead of the one ``url`` names (``url`` is then a
             path on it). It is pickled to the writer process.
+        commit_timeout: with several ranks, how long rank 0's writer waits for the other
+            ranks' parts of a save before it fails the step (seconds).
     """
 
     def __init__(
@@ -104,7 +123,14 @@ class Checkpointer:
         policy: Literal["wait", "skip"] = "wait",
         stage2: Literal["process", "inline"] | None = None,
         fs: Any = None,
+        group: Any = None,
+        dp_group: Any = None,
+        mesh: Any = None,
+        dp_dim: str | int = "dp",
+        commit_timeout: float = 600.0,
     ) -> None:
+        if not (isinstance(commit_timeout, (int, float)) and commit_timeout > 0):
+            raise ValueError(f"commit_timeout must be a number > 0 seconds, got {commit_timeout!r}")
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
         if compression not in ("zstd", "none"):
@@ -129,6 +155,14 @@ class Checkpointer:
                 "stage2='process' cannot write memory://: another process "
                 "cannot see this process's memory filesystem; use 'inline'"
             )
+        self._layout = _make_layout(group, dp_group, mesh, dp_dim)
+        if self._layout.distributed and in_memory:
+            raise ValueError(
+                f"url {url!r}: memory:// lives in one process; {self._layout.world_size} "
+                "ranks need storage they all see (file://, an object store)"
+            )
+        self.commit_timeout = float(commit_timeout)
+        self._seq = 0
         self.url = url
         self.keep_last = keep_last
         self.compression = compression
@@ -141,6 +175,7 @@ class Checkpointer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Any = None
         self._inflight: SaveHandle | None = None
+        self._inflight_job: dict[str, Any] = {}
         self._last: SaveHandle | None = None
         self._closed = False
         ref = weakref.ref(self)
@@ -159,21 +194,52 @@ class Checkpointer:
             raise CheckpointError("save() after finalize()")
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
+        lay = self._layout
         inflight = self._inflight
-        if inflight is not None:
-            if self.policy == "skip" and not inflight.done():
+        if self.policy == "skip":
+            busy = inflight is not None and not inflight.done()
+            if _plan.any_rank(busy, lay):  # collective: every rank skips, or none
                 return SaveHandle(step, None, skipped=True)
+        if inflight is not None:
             self._poll(inflight, timeout=None)
         self._raise_unobserved()
         flat = _tree.flatten(state)
-        records = stage1_copy(self._pool, flat.tensors)
+        owner = _plan.assign(
+            [
+                (it.key, it.nbytes, isinstance(it.value, torch.Tensor))
+                for it in flat.items
+                if it.scope == "replicated"
+            ],
+            lay.dp_size,
+        )
+        mine = [it for it in flat.items if it.scope != "replicated" or owner[it.key] == lay.dp_rank]
+        tensor_items = [it for it in mine if isinstance(it.value, torch.Tensor)]
+        records = stage1_copy(
+            self._pool,
+            [(it.key, it.value) for it in tensor_items],  # type: ignore[misc]
+        )
+        for rec, it in zip(records, tensor_items, strict=True):
+            rec.update(_placement(it, lay))
+        self._seq += 1
         job = {
             "step": step,
-            "rank": 0,
-            "pool": self._pool.name if flat.tensors else "",
+            "rank": lay.rank,
+            "part": lay.part,
+            "dp_rank": lay.dp_rank,
+            "world": lay.describe(),
+            "coordinator": lay.coordinator,
+            "nonce": lay.nonce,
+            "seq": self._seq,
+            "commit_timeout": self.commit_timeout,
+            "pool": self._pool.name if tensor_items else "",
             "tensors": records,
-            "blobs": flat.blobs,
+            "blobs": [
+                ({"key": it.key} | _placement(it, lay), it.value)
+                for it in mine
+                if not isinstance(it.value, torch.Tensor)
+            ],
             "tree": flat.tree,
+            "per_rank": flat.per_rank,
             "compression": self.compression,
             "level": self.level,
             "keep_last": self.keep_last,
@@ -182,19 +248,17 @@ class Checkpointer:
         handle = SaveHandle(step, self)
         self._last = handle
         if self.stage2 == "inline":
-            buf = self._pool.view() if flat.tensors else memoryview(b"")
+            buf = self._pool.view() if tensor_items else memoryview(b"")
             try:
-                write_step(self._fs, self._root, job, buf, L.always)
+                run_job(self._fs, self._root, job, buf, L.always)
             except Exception as e:
-                remove_partial(self._fs, self._root, step)
-                handle._finish(
-                    _write_error(step, f"{type(e).__name__}: {e}", getattr(e, "errno", None))
-                )
+                handle._finish(_write_error(step, describe(e), getattr(e, "errno", None)))
             else:
                 handle._finish(None)
             return handle
         self._ensure_worker()
         self._inflight = handle
+        self._inflight_job = {k: job[k] for k in ("step", "rank", "nonce", "seq")}
         self._conn.send(job)
         return handle
 
@@ -268,6 +332,13 @@ class Checkpointer:
         self._inflight = None
         if msg is None:
             self._stop_writer()
+            if self._layout.distributed:  # so that rank 0 fails the step now, not at timeout
+                write_error_fragment(
+                    self._fs,
+                    self._root,
+                    self._inflight_job,
+                    f"writer of rank {self._layout.rank} died",
+                )
             handle._finish(
                 _write_error(
                     handle.step,
@@ -288,7 +359,12 @@ class Checkpointer:
         return dict(sorted(L.list_steps(self._fs, self._root).items()))
 
     def load(
-        self, state: dict[str, Any], step: int | None = None, *, fallback: bool = False
+        self,
+        state: dict[str, Any],
+        step: int | None = None,
+        *,
+        fallback: bool = False,
+        broadcast: bool = True,
     ) -> int:
         """Restore ``state`` in place from the newest committed checkpoint (or ``step``).
 
@@ -296,38 +372,65 @@ class Checkpointer:
         raises ``CheckpointCorruptError`` naming the file and key; with ``fallback=True``
         the previous committed checkpoint is tried instead, with a warning. Returns the
         step loaded.
+
+        Collective with several ranks: rank 0 picks the step and reads the manifest;
+        each replicated record is read by one rank of each DP group and broadcast to
+        the group (``broadcast=False``: every rank reads everything it needs itself).
+        A different data-parallel size reshards ``Sharded`` state; a layout that cannot
+        take the checkpoint raises ``CheckpointError`` naming what changed.
         """
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
-        committed = sorted(
-            (s for s, ok in L.list_steps(self._fs, self._root).items() if ok), reverse=True
-        )
+        lay = self._layout
+        found: tuple[list[int], str | None] = ([], None)
+        if lay.coordinator:
+            found = self._candidates(step)
+        committed, error = _plan.broadcast_object(found, lay)
+        if error is not None:
+            raise CheckpointError(error)
+        for i, s in enumerate(committed):
+            got: tuple[dict[str, Any] | None, str | None] = (None, None)
+            if lay.coordinator:
+                try:
+                    got = (_reader.read_manifest(self._fs, self._root, s), None)
+                except CheckpointCorruptError as e:
+                    got = (None, str(e))
+                except Exception as e:  # the others wait for this answer: never skip it
+                    got = (None, f"{type(e).__name__}: {e}")
+            manifest, error = _plan.broadcast_object(got, lay)
+            if manifest is not None:
+                try:
+                    _load.load_step(self._fs, self._root, manifest, state, lay, broadcast=broadcast)
+                    return int(s)
+                except CheckpointCorruptError as e:
+                    error = str(e)
+            assert error is not None
+            if not fallback:
+                raise CheckpointCorruptError(error)
+            if i + 1 == len(committed):
+                raise CheckpointCorruptError(
+                    f"no intact committed checkpoint under {self.url}; last error: {error}"
+                )
+            warnings.warn(f"{error}; falling back to step {committed[i + 1]}", stacklevel=2)
+        raise AssertionError("unreachable")
+
+    def _candidates(self, step: int | None) -> tuple[list[int], str | None]:
+        """Committed steps to try, newest first, or why there are none (rank 0 only)."""
+        try:
+            steps = L.list_steps(self._fs, self._root)
+        except Exception as e:
+            return [], f"cannot list {self.url}: {type(e).__name__}: {e}"
+        committed = sorted((s for s, ok in steps.items() if ok), reverse=True)
         if step is not None:
             if step not in committed:
-                raise CheckpointError(
+                return [], (
                     f"step {step} has no committed checkpoint under "
                     f"{self.url} (committed: {sorted(committed)})"
                 )
             committed = committed[committed.index(step) :]
         if not committed:
-            raise CheckpointError(f"no committed checkpoint under {self.url}")
-        for i, s in enumerate(committed):
-            try:
-                manifest = _reader.read_manifest(self._fs, self._root, s)
-                tensors, blobs = _reader.read_records(self._fs, self._root, manifest)
-            except CheckpointCorruptError as e:
-                if not fallback:
-                    raise
-                if i + 1 == len(committed):
-                    raise CheckpointCorruptError(
-                        f"no intact committed checkpoint under {self.url}; last error: {e}"
-                    ) from e
-                warnings.warn(f"{e}; falling back to step {committed[i + 1]}", stacklevel=2)
-                continue
-            _tree.check(state, manifest["tree"], tensors, blobs)
-            _tree.restore(state, manifest["tree"], tensors, blobs)
-            return s
-        raise AssertionError("unreachable")
+            return [], f"no committed checkpoint under {self.url}"
+        return committed, None
 
     # ---------------------------------------------------------------- shutdown
 
@@ -391,3 +494,41 @@ def _test_hooks() -> dict[str, float]:
         name, _, seconds = part.partition(":")
         hooks[name.strip()] = float(seconds)
     return hooks
+
+
+def _placement(item: _tree.Item, layout: _plan.Layout) -> dict[str, Any]:
+    """The record fields that say whose value an item is (docs/format.md)."""
+    if item.scope == "replicated":
+        return {}
+    if item.scope == "rank":
+        return {"dp_rank": layout.dp_rank}
+    return {"dp_rank": layout.dp_rank, "shard": item.shard}
+
+
+def _make_layout(group: Any, dp_group: Any, mesh: Any, dp_dim: str | int) -> _plan.Layout:
+    """The ranks' layout (collective over ``group`` when torch.distributed is in use)."""
+    if mesh is not None:
+        if group is not None or dp_group is not None:
+            raise ValueError("pass either mesh or group/dp_group, not both")
+        if not dist.is_initialized() or mesh.size() != dist.get_world_size():
+            raise ValueError(
+                f"mesh must span every rank of the initialized default group "
+                f"(mesh size {mesh.size()}); pass group= and dp_group= otherwise"
+            )
+        try:
+            dp_group = mesh.get_group(dp_dim)
+        except (KeyError, RuntimeError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"dp_dim must name a dimension of the mesh "
+                f"{getattr(mesh, 'mesh_dim_names', None)}, got {dp_dim!r}"
+            ) from e
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None or dp_group is not None:
+            raise ValueError("group/dp_group given but torch.distributed is not initialized")
+        return _plan.single()
+    world = dist.group.WORLD
+    group = world if group is None else group
+    dp_group = group if dp_group is None else dp_group
+    if dist.get_world_size(group) == 1:
+        return _plan.single()
+    return _plan.discover(group, dp_group)

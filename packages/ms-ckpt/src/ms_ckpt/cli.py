@@ -21,7 +21,7 @@ import fsspec
 import zstandard
 
 from ms_ckpt import _layout as L
-from ms_ckpt import _reader, _tree
+from ms_ckpt import _reader
 from ms_ckpt.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = ["main"]
@@ -69,6 +69,21 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("out", metavar="OUT", help="output file (torch) or directory (dcp)")
     conv.add_argument("--step", type=int, metavar="N", help="default: newest committed step")
     conv.add_argument("--to", choices=("torch", "dcp"), default="torch", help="default: torch")
+    conv.add_argument(
+        "--part",
+        type=int,
+        default=0,
+        metavar="P",
+        help="which model-parallel part (a DP group's state) to write; default 0",
+    )
+    conv.add_argument(
+        "--dp-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="whose per-rank values to write (RNG, per_rank state); default 0. Sharded "
+        "tensors are written whole",
+    )
     conv.set_defaults(func=_cmd_convert)
     return parser
 
@@ -160,9 +175,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     world, comp = manifest["world"], manifest["compression"]
     records: list[dict[str, Any]] = manifest["records"]
     print(f"format: {manifest['format']} version {manifest['version']}, step {step}")
-    print(f"world: world_size {world['world_size']}, dp_size {world['dp_size']}")
+    print(
+        f"world: world_size {world['world_size']}, dp_size {world['dp_size']}, "
+        f"parts {world['parts']}"
+    )
     for w in world["writers"]:
-        print(f"  writer rank {w['rank']} (dp rank {w['dp_rank']}): {w['file']}, {w['bytes']} B")
+        print(
+            f"  writer rank {w['rank']} (part {w['part']}, dp rank {w['dp_rank']}): "
+            f"{w['file']}, {w['bytes']} B"
+        )
     level = "" if comp.get("level") is None else f" level {comp['level']}"
     print(f"compression: {comp['codec']}{level}")
     stored = sum(r["length"] for r in records)
@@ -175,7 +196,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     dctx = zstandard.ZstdDecompressor()
     sizes: dict[str, int] = {}
-    rows = [["KEY", "KIND", "DTYPE", "SHAPE", "STORED", "RAW", "CHECK"]]
+    rows = [["PART", "KEY", "KIND", "DTYPE", "SHAPE", "PLACE", "STORED", "RAW", "CHECK"]]
     damage: list[str] = []
     for rec in records:
         try:
@@ -187,16 +208,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         tensor = rec["kind"] == "tensor"
         rows.append(
             [
+                str(rec["part"]),
                 rec["key"],
                 rec["kind"],
                 rec["dtype"] if tensor else "-",
                 str(tuple(rec["shape"])) if tensor else "-",
+                _place(rec),
                 str(rec["length"]),
                 str(rec["raw_length"]),
                 check,
             ]
         )
-    for line in _table(rows, right={4, 5}):
+    for line in _table(rows, right={0, 6, 7}):
         print(line)
     if damage:
         for msg in damage:
@@ -210,12 +233,25 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _place(rec: dict[str, Any]) -> str:
+    """replicated, a DP rank's own value, or a DP rank's slice [a, b) of dim d."""
+    if "shard" in rec:
+        s = rec["shard"]
+        a = s["offset"]
+        b = a + rec["shape"][s["dim"]]
+        return f"dp {rec['dp_rank']} [{a}:{b}] of dim {s['dim']}"
+    if "dp_rank" in rec:
+        return f"dp {rec['dp_rank']}"
+    return "replicated"
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     fs, root = _open_root(args.url)
     step = _pick_step(fs, root, args.url, args.step)
     manifest = _reader.read_manifest(fs, root, step)
-    tensors, blobs = _reader.read_records(fs, root, manifest)
-    state = _tree.materialize(manifest["tree"], tensors, blobs)
+    state = _reader.read_part(fs, root, manifest, args.part, args.dp_rank)
+    records = [r for r in manifest["records"] if r["part"] == args.part]
+    n_tensors = sum(r["kind"] == "tensor" for r in records)
     if args.to == "torch":
         import torch
 
@@ -230,7 +266,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp_save(state, checkpoint_id=args.out, no_dist=no_dist)
-    print(f"wrote step {step} ({len(tensors)} tensors, {len(blobs)} pickled values) to {args.out}")
+    parts = len(manifest["parts"])
+    which = f" part {args.part} of {parts}" if parts > 1 else ""
+    print(
+        f"wrote step {step}{which} ({n_tensors} tensor and {len(records) - n_tensors} "
+        f"pickle records) to {args.out}"
+    )
     return 0
 
 

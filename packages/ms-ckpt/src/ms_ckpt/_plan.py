@@ -1,0 +1,162 @@
+"""Who writes and who reads what: the ranks' layout and the split of replicated records.
+
+The ranks that save together (``group``) are split into data-parallel groups of equal
+size. Ranks of one DP group hold the same replicated state; each DP group is one
+*part* of the checkpoint (a model-parallel partition: a tensor- or pipeline-parallel
+rank's share). Parts are numbered by their lowest rank.
+"""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    rank: int  # in ``group``
+    world_size: int
+    part: int
+    parts: int
+    dp_rank: int
+    dp_size: int
+    dp_ranks: tuple[int, ...]  # global ranks of this DP group, in DP-rank order
+    nonce: str  # the same on every rank of one Checkpointer: names this job's saves
+    group: Any = None
+    dp_group: Any = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    def describe(self) -> dict[str, int]:
+        return {"world_size": self.world_size, "dp_size": self.dp_size, "parts": self.parts}
+
+
+def single() -> Layout:
+    return Layout(0, 1, 0, 1, 0, 1, (0,), uuid.uuid4().hex)
+
+
+def discover(group: Any, dp_group: Any) -> Layout:
+    """Collective over ``group``: every rank reports its DP group; check they tile it."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    me = dist.get_rank()
+    members = tuple(dist.get_process_group_ranks(dp_group))
+    if me not in members:
+        raise ValueError(f"dp_group must contain this rank ({me}), got ranks {list(members)}")
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (me, members, uuid.uuid4().hex), group=group)
+    in_group = {g[0] for g in gathered}
+    groups = sorted({g[1] for g in gathered}, key=min)
+    seen: set[int] = set()
+    for g in groups:
+        if len(g) != len(members):
+            raise ValueError(
+                f"dp_group sizes differ across ranks: {[list(x) for x in groups]}; every "
+                "rank's data-parallel group must have the same size"
+            )
+        if seen & set(g) or not set(g) <= in_group:
+            raise ValueError(
+                f"the dp_groups {[list(x) for x in groups]} must split group's ranks "
+                f"{sorted(in_group)} into disjoint groups"
+            )
+        seen |= set(g)
+    return Layout(
+        rank=rank,
+        world_size=world,
+        part=groups.index(members),
+        parts=len(groups),
+        dp_rank=dist.get_rank(dp_group),
+        dp_size=len(members),
+        dp_ranks=members,
+        nonce=gathered[0][2],
+        group=group,
+        dp_group=dp_group,
+    )
+
+
+def assign(sizes: list[tuple[str, int, bool]], n: int) -> dict[str, int]:
+    """Split replicated records among ``n`` DP ranks: key -> the rank that handles it.
+
+    ``sizes``: (key, bytes, is_tensor). Tensors go largest first to the least loaded
+    rank (ties: the lower rank), so every rank writes and reads about 1/n of the bytes;
+    pickled values (small, and their size could differ between processes) go by a hash
+    of the key. Deterministic: every rank of a group computes the same split.
+    """
+    load = [0] * n
+    out: dict[str, int] = {}
+    tensors = sorted(((k, s) for k, s, t in sizes if t), key=lambda ks: (-ks[1], ks[0]))
+    for key, size in tensors:
+        j = min(range(n), key=lambda i: (load[i], i))
+        out[key] = j
+        load[j] += size
+    for key, _, is_tensor in sizes:
+        if not is_tensor:
+            out[key] = zlib.crc32(key.encode()) % n
+    return out
+
+
+def comm_device(group: Any) -> torch.device:
+    """Where a collective's tensors must live for ``group``'s backend."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def any_rank(flag: bool, layout: Layout) -> bool:
+    """Collective: True when ``flag`` is True on any rank."""
+    if not layout.distributed:
+        return flag
+    t = torch.tensor([int(flag)], device=comm_device(layout.group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=layout.group)
+    return bool(t.item())
+
+
+def agree(error: Any, layout: Layout) -> list[tuple[int, Any]]:
+    """Collective: every rank's error (rank, error) where not None, the same on all ranks."""
+    if not layout.distributed:
+        return [] if error is None else [(0, error)]
+    if not any_rank(error is not None, layout):
+        return []
+    gathered: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(gathered, error, group=layout.group)
+    return [(r, e) for r, e in enumerate(gathered) if e is not None]
+
+
+def broadcast_object(obj: Any, layout: Layout) -> Any:
+    """Collective: rank 0's ``obj`` on every rank."""
+    if not layout.distributed:
+        return obj
+    box = [obj]
+    src = dist.get_global_rank(layout.group, 0)
+    dist.broadcast_object_list(box, src=src, group=layout.group)
+    return box[0]
+
+
+def layout_error(saved: dict[str, Any], layout: Layout, per_rank: list[str]) -> str | None:
+    """Why a checkpoint saved with world ``saved`` cannot load into ``layout``, or None."""
+    parts = saved.get("parts", 1)
+    if parts != layout.parts:
+        return (
+            f"the number of model-parallel parts changed: the checkpoint has {parts} "
+            f"(world {saved['world_size']}, data-parallel size {saved['dp_size']}), this "
+            f"job has {layout.parts} (world {layout.world_size}, data-parallel size "
+            f"{layout.dp_size}); only the data-parallel size can change on load"
+        )
+    if saved["dp_size"] != layout.dp_size and per_rank:
+        return (
+            f"the data-parallel size changed from {saved['dp_size']} to {layout.dp_size} "
+            f"and {', '.join(repr(k) for k in per_rank)} is per-rank (one value per "
+            "data-parallel rank), which cannot be resharded; load with the same "
+            "data-parallel size, or leave those keys out of the state"
+        )
+    return None
