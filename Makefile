@@ -62,6 +62,7 @@ bench-data: $(STAMP)
 
 bench-ckpt: $(STAMP)
 	$(BIN)/python tools/bench/ckpt/stall.py --gib 1 --reps 3
+	$(BIN)/python tools/bench/ckpt/restore.py --gib 1 --reps 3
 
 # Without a CUDA device this prints "no CUDA device" and exits 0, measuring nothing.
 bench-kernels-gpu: $(STAMP)

@@ -222,6 +222,12 @@ def test_arguments_are_validated(tmp_path: Path) -> None:
         Checkpointer(str(tmp_path), compression="lz4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="another process cannot see"):
         Checkpointer("memory://x", stage2="process")
+    with pytest.raises(ValueError, match=r"nice must be an int in \[0, 19\], got 20"):
+        Checkpointer(str(tmp_path), nice=20)
+    with pytest.raises(ValueError, match="commit_timeout must be a number > 0 seconds, got 0"):
+        Checkpointer(str(tmp_path), commit_timeout=0)
+    with pytest.raises(ValueError, match=r"torch\.distributed is not initialized"):
+        Checkpointer(str(tmp_path), dp_group=object())
 
 
 def test_pool_grows_and_latest_never_moves_back(tmp_path: Path) -> None:

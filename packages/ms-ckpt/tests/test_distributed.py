@@ -72,6 +72,12 @@ def make_state(seed: int, part: int, dp_rank: int, dp_size: int, rank: int) -> d
         "mine": per_rank({"t": torch.full((3,), float(100 * seed + rank)), "note": f"r{rank}"}),
         "rng": rng_state(),
         "bf16": bf16,
+        "odd": {  # odd sizes and dtypes through the broadcast buckets
+            "empty": torch.empty(0, 4),
+            "i64": torch.arange(5) * seed,
+            "bool": torch.arange(7) % (seed + 1) == 0,
+            "f16": torch.full((3,), seed + 0.5, dtype=torch.float16),
+        },
         "step": seed,
     }
 
@@ -86,6 +92,7 @@ def snapshot(state: dict[str, Any]) -> dict[str, Any]:
     out["mine"] = state["mine"].value["t"].clone()
     out["note"] = state["mine"].value["note"]
     out["bf16"] = state["bf16"].clone()
+    out |= {f"odd/{k}": v.clone() for k, v in state["odd"].items()}
     out["step"] = state["step"]
     out["draw"] = torch.rand(3)  # consumes the RNG: snapshot last
     return out

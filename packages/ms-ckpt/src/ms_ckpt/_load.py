@@ -17,6 +17,7 @@ anything was restored.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ from ms_ckpt._plan import Layout
 from ms_ckpt.errors import CheckpointCorruptError, CheckpointError
 from ms_ckpt.placement import Sharded
 
-_BUCKET = 256 << 20  # bytes per broadcast: bounds the extra memory of a receiving rank
+_BUCKET = 32 << 20  # bytes per broadcast (docs/design.md: why 32 MiB)
 
 
 @dataclass
@@ -126,37 +127,53 @@ def _read(
     return {id(r): _reader.verify_record(fs, directory, r, codec, dctx, sizes) for r in recs}
 
 
-def _broadcast(plan: _Plan, raw: dict[int, bytes], layout: Layout) -> None:
-    """Phase 3: every replicated record's bytes onto every rank of the DP group."""
+def _aligned(n: int) -> int:
+    return (n + 63) // 64 * 64  # every record starts where any dtype can view it
+
+
+def _broadcast(plan: _Plan, raw: dict[int, bytes], layout: Layout) -> dict[int, Any]:
+    """Phase 3: every replicated record, decoded (id(record) -> value), on every rank of
+    the DP group: one copy out of the bucket it travelled in."""
     device = _plan.comm_device(layout.dp_group)
+    got: dict[int, Any] = {}
     for j in range(layout.dp_size):
         recs = [r for r in plan.replicated if plan.owner[r["key"]] == j]
         start = 0
         while start < len(recs):
             end, total = start, 0
-            while end < len(recs) and (end == start or total + recs[end]["raw_length"] <= _BUCKET):
-                total += recs[end]["raw_length"]
+            while end < len(recs) and (
+                end == start or total + _aligned(recs[end]["raw_length"]) <= _BUCKET
+            ):
+                total += _aligned(recs[end]["raw_length"])
                 end += 1
             bucket = recs[start:end]
             start = end
-            if total == 0:
+            if total == 0:  # only empty tensors: nothing to send
                 for r in bucket:
-                    raw.setdefault(id(r), b"")
+                    got[id(r)] = _reader.decode(r, b"")
+                    raw.pop(id(r), None)
                 continue
+            buf = torch.empty(total, dtype=torch.uint8)
+            at = 0
             if j == layout.dp_rank:
-                buf = torch.frombuffer(
-                    bytearray(b"".join(raw[id(r)] for r in bucket)), dtype=torch.uint8
-                )
-            else:
-                buf = torch.empty(total, dtype=torch.uint8)
+                for r in bucket:
+                    ctypes.memmove(buf.data_ptr() + at, raw.pop(id(r)), r["raw_length"])
+                    at += _aligned(r["raw_length"])
             sent = buf.to(device)
             dist.broadcast(sent, src=layout.dp_ranks[j], group=layout.dp_group)
             if j != layout.dp_rank:
-                got = sent.cpu()
-                at = 0
-                for r in bucket:
-                    raw[id(r)] = got[at : at + r["raw_length"]].numpy().tobytes()
-                    at += r["raw_length"]
+                buf = sent.cpu()
+            at = 0
+            for r in bucket:  # the sender too: its values are views of the bucket it built
+                piece = buf[at : at + r["raw_length"]]
+                at += _aligned(r["raw_length"])
+                if r["kind"] == "tensor":
+                    # Its own memory: an optimizer keeps the tensors it is given, which as
+                    # views would pin the whole bucket.
+                    got[id(r)] = piece.view(_dtype(r["dtype"])).view(r["shape"]).clone()
+                else:
+                    got[id(r)] = _reader.decode(r, piece.numpy().tobytes())
+    return got
 
 
 def _assemble(key: str, plan: _Plan, raw: dict[int, bytes]) -> torch.Tensor:
@@ -202,11 +219,12 @@ def load_step(
     except Exception as e:  # an I/O error: the others must not wait for this rank
         error = (False, f"{type(e).__name__}: {e}")
     _raise_agreed(error, layout)
-    if broadcast and layout.dp_size > 1:
-        _broadcast(plan, raw, layout)
+    received = _broadcast(plan, raw, layout) if broadcast and layout.dp_size > 1 else {}
     values: dict[str, Any] = {}
     for r in plan.replicated + plan.own:
-        values[r["key"]] = _reader.decode(r, raw.pop(id(r)))
+        values[r["key"]] = (
+            received[id(r)] if id(r) in received else _reader.decode(r, raw.pop(id(r)))
+        )
     for key in plan.pieces:
         values[key] = _assemble(key, plan, raw)
     placements = {k: t for k, (t, _) in plan.targets.items() if t is not None}

@@ -24,8 +24,11 @@ from ms_ckpt._layout import ParentGone
 from ms_ckpt._writer import describe, run_job
 
 
-def run(fd: int, parent_pid: int) -> None:
-    """Entry point of the writer interpreter: ``fd`` is its end of the socket pair."""
+def run(fd: int, parent_pid: int, nice: int = 0) -> None:
+    """Entry point of the writer interpreter: ``fd`` is its end of the socket pair;
+    ``nice`` lowers its CPU priority below the trainer's."""
+    if nice:
+        os.nice(nice)
     conn = Connection(fd)
     try:
         fs, root = conn.recv()

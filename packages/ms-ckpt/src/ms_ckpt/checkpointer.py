@@ -111,6 +111,8 @@ class Checkpointer:
             path on it). It is pickled to the writer process.
         commit_timeout: with several ranks, how long rank 0's writer waits for the other
             ranks' parts of a save before it fails the step (seconds).
+        nice: the writer process's niceness above the trainer's (0..19): stage 2 yields
+            the CPU to training threads and data loaders, and uses what is idle.
     """
 
     def __init__(
@@ -128,7 +130,10 @@ class Checkpointer:
         mesh: Any = None,
         dp_dim: str | int = "dp",
         commit_timeout: float = 600.0,
+        nice: int = 10,
     ) -> None:
+        if type(nice) is not int or not 0 <= nice <= 19:
+            raise ValueError(f"nice must be an int in [0, 19], got {nice!r}")
         if not (isinstance(commit_timeout, (int, float)) and commit_timeout > 0):
             raise ValueError(f"commit_timeout must be a number > 0 seconds, got {commit_timeout!r}")
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
@@ -162,6 +167,7 @@ class Checkpointer:
                 "ranks need storage they all see (file://, an object store)"
             )
         self.commit_timeout = float(commit_timeout)
+        self.nice = nice
         self._seq = 0
         self.url = url
         self.keep_last = keep_last
@@ -276,10 +282,11 @@ class Checkpointer:
         # The writer imports what this process imports (ms_ckpt, a custom fs class).
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         code = (
-            "import sys; from ms_ckpt._worker import run; run(int(sys.argv[1]), int(sys.argv[2]))"
+            "import sys; from ms_ckpt._worker import run; "
+            "run(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
         )
         proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(theirs.fileno()), str(os.getpid())],
+            [sys.executable, "-c", code, str(theirs.fileno()), str(os.getpid()), str(self.nice)],
             pass_fds=[theirs.fileno()],
             env=env,
             stdin=subprocess.DEVNULL,
