@@ -90,3 +90,25 @@ def test_gpu_kernels_only_runs_one_section(tmp_path: Path) -> None:
     proc = _run_gpu_kernels("--smoke", "--only", "norms", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert NORMS_TITLE in proc.stdout and ATTENTION_TITLE not in proc.stdout
+
+
+@pytest.mark.slow
+def test_ckpt_restore_smoke_checks_every_candidate(tmp_path: Path) -> None:
+    """Two gloo ranks save a small state, restore it with every candidate (each load is
+    verified against the saved state inside the script) and count the bytes read."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench" / "ckpt" / "restore.py"), "--smoke"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "### 2 ranks" in out, out[-2000:]
+    for candidate in ("ms load, broadcast", "ms load, every rank reads"):
+        assert candidate in out
+    assert "read 1.00x the stored shard bytes" in out
+    assert "read 2.00x the stored shard bytes" in out
+    assert not list(tmp_path.rglob("*")), "--smoke wrote files into its working directory"
