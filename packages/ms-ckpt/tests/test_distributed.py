@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -323,6 +324,17 @@ def rank_faults(root: str) -> dict[str, Any]:
         except CheckpointWriteError as e:
             out["killed"] = str(e)
         dist.barrier()
+        # Stage 1 fails on rank 1 only (a value it cannot pickle): rank 1's save raises,
+        # rank 0 fails the step at once, and the ranks' save numbers stay in step.
+        if rank == 1:
+            with pytest.raises(TypeError, match="cannot pickle"):
+                ckpt.save(35, dict(state, lock=threading.Lock()))
+        else:
+            handle = ckpt.save(35, state)
+            with pytest.raises(CheckpointWriteError) as info:
+                handle.wait(timeout=45)
+            out["stage1"] = str(info.value)
+        dist.barrier()
         state["step"] = 4
         ckpt.save(4, state).wait()  # the next save works
         dist.barrier()
@@ -352,6 +364,10 @@ def test_failures_on_one_rank_fail_the_step_on_rank_0(tmp_path: Path) -> None:
     )
     assert "'extra'" in results[0]["structure"] and "per_rank" in results[0]["structure"]
     assert "rank 1 failed to write its part" in results[0]["killed"]
+    assert (
+        "rank 1 failed to write its part: rank 1: state['lock']: cannot pickle"
+        in (results[0]["stage1"])
+    )
     assert "died" in results[1]["killed"]
     assert (
         "ranks [1] did not finish writing step 5 within commit_timeout=1.0 s"
@@ -359,7 +375,7 @@ def test_failures_on_one_rank_fail_the_step_on_rank_0(tmp_path: Path) -> None:
     )
     assert results[1]["timeout"] is None  # its part was written, late
     steps = results[0]["steps"]
-    assert steps[1] and steps[4] and not any(steps.get(s, False) for s in (2, 3, 5))
+    assert steps[1] and steps[4] and not any(steps.get(s, False) for s in (2, 3, 5, 35))
     assert (root / "latest").read_text() == "step-00000004\n"
 
 

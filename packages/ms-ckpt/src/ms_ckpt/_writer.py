@@ -108,6 +108,7 @@ def write_error_fragment(fs: Any, root: str, job: dict[str, Any], message: str) 
     directory = L.join(root, L.step_dir(job["step"]))
     body = {"nonce": job["nonce"], "seq": job["seq"], "rank": job["rank"], "error": message}
     with contextlib.suppress(Exception):
+        fs.makedirs(directory, exist_ok=True)
         L.commit_file(fs, L.join(directory, L.fragment_name(job["rank"])), _json(body))
 
 

@@ -206,9 +206,38 @@ class Checkpointer:
             busy = inflight is not None and not inflight.done()
             if _plan.any_rank(busy, lay):  # collective: every rank skips, or none
                 return SaveHandle(step, None, skipped=True)
-        if inflight is not None:
-            self._poll(inflight, timeout=None)
-        self._raise_unobserved()
+        # Numbered before anything that can fail on one rank only, so that the ranks'
+        # numbers (which match their parts at the commit) never drift apart.
+        self._seq += 1
+        ident = {"step": step, "rank": lay.rank, "nonce": lay.nonce, "seq": self._seq}
+        try:
+            if inflight is not None:
+                self._poll(inflight, timeout=None)
+            self._raise_unobserved()
+            job = self._stage1(step, state, lay)
+        except BaseException as e:
+            if lay.distributed:  # so that rank 0 fails this step now, not at its timeout
+                write_error_fragment(self._fs, self._root, ident, f"rank {lay.rank}: {e}")
+            raise
+        handle = SaveHandle(step, self)
+        self._last = handle
+        if self.stage2 == "inline":
+            buf = self._pool.view() if job["pool"] else memoryview(b"")
+            try:
+                run_job(self._fs, self._root, job, buf, L.always)
+            except Exception as e:
+                handle._finish(_write_error(step, describe(e), getattr(e, "errno", None)))
+            else:
+                handle._finish(None)
+            return handle
+        self._ensure_worker()
+        self._inflight = handle
+        self._inflight_job = ident
+        self._conn.send(job)
+        return handle
+
+    def _stage1(self, step: int, state: dict[str, Any], lay: _plan.Layout) -> dict[str, Any]:
+        """Flatten, copy this rank's tensors into the host pool, and describe the job."""
         flat = _tree.flatten(state)
         owner = _plan.assign(
             [
@@ -226,8 +255,7 @@ class Checkpointer:
         )
         for rec, it in zip(records, tensor_items, strict=True):
             rec.update(_placement(it, lay))
-        self._seq += 1
-        job = {
+        return {
             "step": step,
             "rank": lay.rank,
             "part": lay.part,
@@ -251,22 +279,6 @@ class Checkpointer:
             "keep_last": self.keep_last,
             "hooks": _test_hooks(),
         }
-        handle = SaveHandle(step, self)
-        self._last = handle
-        if self.stage2 == "inline":
-            buf = self._pool.view() if tensor_items else memoryview(b"")
-            try:
-                run_job(self._fs, self._root, job, buf, L.always)
-            except Exception as e:
-                handle._finish(_write_error(step, describe(e), getattr(e, "errno", None)))
-            else:
-                handle._finish(None)
-            return handle
-        self._ensure_worker()
-        self._inflight = handle
-        self._inflight_job = {k: job[k] for k in ("step", "rank", "nonce", "seq")}
-        self._conn.send(job)
-        return handle
 
     def _raise_unobserved(self) -> None:
         last = self._last
