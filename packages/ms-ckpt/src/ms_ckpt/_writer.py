@@ -22,6 +22,9 @@ from ms_ckpt._layout import ParentGone
 FORMAT = "ms-ckpt"
 VERSION = 1
 _CHUNK = 16 << 20  # bytes compressed per call: bounds the writer's extra memory
+# After a failed step rank 0 waits at most this long for the other ranks to finish with
+# the step's directory before removing it; a rank still silent then leaves it to retention.
+_CLEANUP_WAIT = 30.0
 
 
 class StepRefused(Exception):
@@ -96,10 +99,13 @@ def run_job(
                 fs.rm(L.join(directory, L.shard_name(job["rank"])))
             write_error_fragment(fs, root, job, describe(e).split("\n", 1)[0])
             if job["coordinator"] and not isinstance(e, CommitTimeout):
-                # Remove the partial step once no rank writes into it any more; after a
-                # timeout some rank may still be writing: retention removes it later.
-                _await_fragments(fs, directory, job, alive, errors_ok=True)
-                remove_partial(fs, root, job["step"])
+                # Remove the partial step once no rank writes into it any more; while
+                # some rank may still be writing, leave it to retention.
+                done = _await_fragments(
+                    fs, directory, job, alive, errors_ok=True, timeout=_CLEANUP_WAIT
+                )
+                if len(done) == job["world"]["world_size"] - 1:
+                    remove_partial(fs, root, job["step"])
         raise
 
 
@@ -202,14 +208,23 @@ def write_step(
 
 
 def _await_fragments(
-    fs: Any, directory: str, job: dict[str, Any], alive: Callable[[], bool], *, errors_ok: bool
+    fs: Any,
+    directory: str,
+    job: dict[str, Any],
+    alive: Callable[[], bool],
+    *,
+    errors_ok: bool,
+    timeout: float | None = None,
 ) -> dict[int, dict[str, Any]]:
     """The coordinator waits for every other rank's fragment of this save (same nonce and
     sequence number: a fragment an earlier attempt left is not taken)."""
     world = job["world"]["world_size"]
     want = set(range(world)) - {job["rank"]}
     got: dict[int, dict[str, Any]] = {}
-    timeout = job["commit_timeout"]
+    if timeout is None:
+        timeout = float(job["commit_timeout"])
+    else:
+        timeout = min(timeout, float(job["commit_timeout"]))
     deadline = time.monotonic() + timeout
     delay = 0.01
     while want:
