@@ -281,16 +281,20 @@ def _positive_float_arg(text: str) -> float:
     return value
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``flops`` options to ``parser`` (a top-level parser or a subcommand's)."""
+def add_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """Add the ``flops`` options to ``parser`` (a top-level parser or a subcommand's).
+
+    ``required=False`` leaves the model dimensions optional, for a caller that fills
+    the missing ones (``ms-train flops --preset``) before calling :func:`run`.
+    """
     dims = parser.add_argument_group("model dimensions")
-    dims.add_argument("--layers", type=_int_arg, required=True, help="number of layers")
-    dims.add_argument("--hidden", type=_int_arg, required=True, help="model width h")
+    dims.add_argument("--layers", type=_int_arg, required=required, help="number of layers")
+    dims.add_argument("--hidden", type=_int_arg, required=required, help="model width h")
     dims.add_argument(
-        "--heads", type=_int_arg, required=True, help="attention heads (must divide --hidden)"
+        "--heads", type=_int_arg, required=required, help="attention heads (must divide --hidden)"
     )
-    dims.add_argument("--seq", type=_int_arg, required=True, help="sequence length s")
-    dims.add_argument("--vocab", type=_int_arg, required=True, help="vocabulary size V")
+    dims.add_argument("--seq", type=_int_arg, required=required, help="sequence length s")
+    dims.add_argument("--vocab", type=_int_arg, required=required, help="vocabulary size V")
     dims.add_argument("--ffn", type=_int_arg, default=None, help="MLP width (default 4*hidden)")
     dims.add_argument(
         "--window",

@@ -1,0 +1,71 @@
+"""``ms-train flops``: the paper's MFU from its own throughputs, through the preset."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ms_train.cli import main
+
+# (GPUs, tokens/s, MFU reported) from the MegaScale paper, 175B, 312 TFLOP/s per GPU.
+ROWS = [
+    (3072, "433.6k", 48.7),
+    (3072, "531.9k", 59.1),
+    (6144, "851.6k", 47.8),
+    (6144, "1030.9k", 57.3),
+    (8192, "1027.9k", 43.3),
+    (8192, "1315.6k", 54.9),
+    (12288, "1466.8k", 41.2),
+    (12288, "1984.0k", 55.2),
+    (256, "39.3k", 53.0),
+    (256, "49.0k", 65.3),
+]
+
+
+@pytest.mark.parametrize(("gpus", "rate", "paper"), ROWS)
+def test_preset_175b_reproduces_the_papers_mfu(
+    gpus: int, rate: str, paper: float, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["flops", "--preset", "gpt-175b", "--tokens-per-s", rate, "--gpus", str(gpus)]
+    assert main([*argv, "--peak-tflops", "312", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["layers"] == 96 and report["model"]["hidden"] == 12288
+    assert abs(report["throughput"]["mfu"] * 100 - paper) <= 1.0
+
+
+def test_overrides_and_explicit_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["flops", "--preset", "gpt-175b", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)["flops_per_token"]
+    assert main(["flops", "--preset", "gpt-175b", "--set", "model.window=512", "--json"]) == 0
+    windowed = json.loads(capsys.readouterr().out)["flops_per_token"]
+    assert windowed["dense"] == full["dense"]
+    assert windowed["attention"] == pytest.approx(full["attention"] * 512 / 2048)
+    assert main(["flops", "--preset", "gpt-175b", "--layers", "48", "--json"]) == 0
+    half = json.loads(capsys.readouterr().out)["flops_per_token"]
+    assert half["dense"] == pytest.approx(full["dense"] / 2)
+
+
+def test_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["flops", "--layers", "2"]) == 2
+    assert "give --preset or --config" in capsys.readouterr().err
+    assert main(["flops", "--preset", "gpt-175b", "--set", "model.n_layer=3"]) == 2
+    assert "did you mean 'model.n_layers'" in capsys.readouterr().err
+    assert main(["flops", "--preset", "nope"]) == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    assert main([]) == 2
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_runs_as_a_module() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ms_train.cli", "flops", "--preset", "gpt-1b"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "total" in proc.stdout and "24 layers" in proc.stdout
