@@ -45,13 +45,6 @@ class _Plan:
     targets: dict[str, tuple[Sharded | None, dict[str, Any]]]  # sharded key -> live, info
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointCorruptError(f"unknown dtype {name!r}")
-    return dtype
-
-
 def _plan_load(
     manifest: dict[str, Any], state: dict[str, Any], layout: Layout, broadcast: bool
 ) -> _Plan:
@@ -97,10 +90,12 @@ def _plan_load(
             if r["shard"]["offset"] < hi and lo < r["shard"]["offset"] + r["shape"][dim]
         ]
         targets[key] = (target, info | {"dtype": recs[0]["dtype"]})
-        placeholders[key] = torch.empty(shape, dtype=_dtype(recs[0]["dtype"]), device="meta")
+        placeholders[key] = torch.empty(
+            shape, dtype=_reader.dtype_of(recs[0]["dtype"]), device="meta"
+        )
     for r in replicated + own:
         placeholders[r["key"]] = (
-            torch.empty(r["shape"], dtype=_dtype(r["dtype"]), device="meta")
+            torch.empty(r["shape"], dtype=_reader.dtype_of(r["dtype"]), device="meta")
             if r["kind"] == "tensor"
             else None
         )
@@ -170,7 +165,7 @@ def _broadcast(plan: _Plan, raw: dict[int, bytes], layout: Layout) -> dict[int, 
                 if r["kind"] == "tensor":
                     # Its own memory: an optimizer keeps the tensors it is given, which as
                     # views would pin the whole bucket.
-                    got[id(r)] = piece.view(_dtype(r["dtype"])).view(r["shape"]).clone()
+                    got[id(r)] = piece.view(_reader.dtype_of(r["dtype"])).view(r["shape"]).clone()
                 else:
                     got[id(r)] = _reader.decode(r, piece.numpy().tobytes())
     return got
@@ -181,7 +176,7 @@ def _assemble(key: str, plan: _Plan, raw: dict[int, bytes]) -> torch.Tensor:
     target, info = plan.targets[key]
     got = [(r, _reader.decode(r, raw.pop(id(r)))) for r in plan.pieces[key]]
     if target is None:
-        out = torch.empty(info["global_shape"], dtype=_dtype(info["dtype"]))
+        out = torch.empty(info["global_shape"], dtype=_reader.dtype_of(info["dtype"]))
         return _reader.assemble(out, 0, info["dim"], got)
     out = torch.empty_like(target.local, device="cpu")
     return _reader.assemble(out, target.offset, info["dim"], got)

@@ -135,10 +135,16 @@ def decode(rec: dict[str, Any], raw: bytes) -> Any:
     return _tensor(raw, rec["dtype"], rec["shape"])
 
 
-def _tensor(raw: bytes, dtype_name: str, shape: list[int]) -> torch.Tensor:
-    dtype = getattr(torch, dtype_name, None)
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype a record names (``"bfloat16"``); an unknown name is damage."""
+    dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise CheckpointCorruptError(f"unknown dtype {dtype_name!r}")
+        raise CheckpointCorruptError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _tensor(raw: bytes, dtype_name: str, shape: list[int]) -> torch.Tensor:
+    dtype = dtype_of(dtype_name)
     if not raw:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)

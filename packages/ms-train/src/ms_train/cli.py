@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from ms_train import flops
 from ms_train.config import PRESETS, ConfigError, load_config
@@ -30,14 +29,13 @@ _FROM_MODEL = {
 }
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, no usage block
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="ms-train", description="Train GPT models with the ms stack.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
+    parser = flops._OneLineParser(
+        prog="ms-train", description="Train GPT models with the ms stack."
+    )
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=flops._OneLineParser
+    )
     fl = sub.add_parser(
         "flops",
         help="model FLOPs per token and MFU",
