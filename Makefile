@@ -9,7 +9,7 @@ STAMP := $(VENV)/.ms-installed
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-m 'not slow'"`.
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck pytest test-one bench-deps bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt clean
+.PHONY: run test lint typecheck pytest test-one bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -19,11 +19,11 @@ $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pypr
 		-e tools/ms-testing $(addprefix -e ,$(PACKAGES))
 	@touch $@
 
+# The demo: the tiny preset on 2 data-parallel CPU ranks (docs in packages/ms-train).
+# More options through RUN_ARGS, e.g. make run RUN_ARGS="--set train.steps=1200".
+RUN_ARGS ?=
 run: $(STAMP)
-	@echo "ms-train is not built yet (issue 7). When it lands, 'make run' will train a small GPT"
-	@echo "on the embedded default config through the ms-train CLI: data from ms-data, LAMB from"
-	@echo "ms-optim, checkpoints from ms-ckpt, heartbeats from ms-health, on gloo ranks on this CPU."
-	@exit 2
+	$(BIN)/ms-train --preset tiny --nproc 2 $(RUN_ARGS)
 
 test: lint typecheck pytest
 
@@ -46,10 +46,7 @@ test-one: $(STAMP)
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests were selected"; rc=0; fi; exit $$rc
 
 # Benchmarks (not tests): each prints a table and writes JSON under bench-results/.
-bench-deps: $(STAMP)
-	$(BIN)/python -m pip install --quiet -r requirements/bench.txt
-
-bench-optim: bench-deps
+bench-optim: $(STAMP)
 	$(BIN)/python tools/bench/optim/bench_lamb.py --reps 9
 	$(BIN)/python tools/bench/optim/large_batch.py --out bench-results/large_batch --threads 1
 

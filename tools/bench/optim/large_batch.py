@@ -183,7 +183,7 @@ def plot(runs: list[dict[str, Any]], best: dict[str, dict[str, Any]], path: Path
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed; no PNG (pip install -r requirements/bench.txt)")
+        print("matplotlib is not installed; no PNG (pip install -r requirements/dev.txt)")
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:

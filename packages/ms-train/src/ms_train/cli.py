@@ -1,14 +1,19 @@
 """The ``ms-train`` command.
 
+``ms-train [--config FILE | --preset NAME] [--nproc N] [--set k=v ...]`` trains (the
+``tiny`` preset when neither is given). With ``--nproc N > 1`` outside torchrun it
+re-launches itself through ``torchrun --standalone --nproc-per-node N``; under torchrun
+(``WORLD_SIZE`` set) every worker trains its rank.
+
 ``ms-train flops`` prints model FLOPs per token and the MFU of a throughput, for a
 preset, a config file or explicit dimensions (``ms_train.flops``; docs/flops.md).
-Training from the command line is not built yet (issue 7): ``ms-train`` without a
-subcommand says so and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -33,6 +38,22 @@ def _parser() -> argparse.ArgumentParser:
     parser = flops._OneLineParser(
         prog="ms-train", description="Train GPT models with the ms stack."
     )
+    train = parser.add_argument_group("training (no COMMAND)")
+    _source_options(train, default_note=" (default: tiny, when no --config either)")
+    train.add_argument(
+        "--nproc",
+        type=flops._int_arg,
+        default=1,
+        metavar="N",
+        help="ranks on this machine; N > 1 launches through torchrun (default 1)",
+    )
+    train.add_argument(
+        "--peak-tflops",
+        type=flops._positive_float_arg,
+        default=None,
+        metavar="P",
+        help="per-rank peak TFLOP/s for MFU (default: a measured matmul rate)",
+    )
     sub = parser.add_subparsers(
         dest="command", metavar="COMMAND", parser_class=flops._OneLineParser
     )
@@ -43,18 +64,23 @@ def _parser() -> argparse.ArgumentParser:
         "window aware) and the MFU of a throughput. Dimensions come from --preset or "
         "--config (with --set overrides); explicit dimension options override them.",
     )
-    src = fl.add_argument_group("model source")
-    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in configuration")
-    src.add_argument("--config", metavar="FILE", help="a TOML configuration file")
-    src.add_argument(
+    _source_options(fl.add_argument_group("model source"))
+    flops.add_arguments(fl, required=False)
+    return parser
+
+
+def _source_options(group: argparse._ArgumentGroup, default_note: str = "") -> None:
+    group.add_argument(
+        "--preset", choices=sorted(PRESETS), help=f"a built-in configuration{default_note}"
+    )
+    group.add_argument("--config", metavar="FILE", help="a TOML configuration file")
+    group.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config field, e.g. model.window=1024 (repeatable)",
+        help="override a config field, e.g. model.n_layers=8 (repeatable)",
     )
-    flops.add_arguments(fl, required=False)
-    return parser
 
 
 def _flops(args: argparse.Namespace) -> int:
@@ -89,12 +115,61 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if args.command == "flops":
         return _flops(args)
-    print(
-        "ms-train: training from the command line is not built yet (issue 7); "
-        "available now: ms-train flops",
-        file=sys.stderr,
-    )
-    return 2
+    return _train(args, list(sys.argv[1:] if argv is None else argv))
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    preset = args.preset if args.preset or args.config else "tiny"
+    try:
+        config = load_config(args.config, preset=preset, overrides=args.set)
+        under_torchrun = "WORLD_SIZE" in os.environ
+        config.layout(int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc)
+    except (ConfigError, OSError) as e:
+        print(f"ms-train: error: {e}", file=sys.stderr)
+        return 2
+    if args.nproc > 1 and not under_torchrun:
+        env = dict(os.environ)
+        # One share of the cores per rank (torchrun would otherwise force 1, with a warning).
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            "-m",
+            "ms_train.cli",
+            *_without_nproc(argv),
+        ]
+        try:
+            return subprocess.call(cmd, env=env)
+        except KeyboardInterrupt:
+            return 130
+    from ms_train.trainer import Trainer
+
+    peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
+    try:
+        with Trainer(config, peak_flops=peak) as trainer:
+            trainer.train()
+    except ConfigError as e:
+        print(f"ms-train: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
 
 
 if __name__ == "__main__":

@@ -260,6 +260,7 @@ class TrainConfig:
         log_every: steps between metric lines.
         out_dir: where metrics, the loss plot, the sample and the summary go.
         sample_tokens: tokens generated at the end (0: no sample).
+        sample_prompt: the text the sample continues.
     """
 
     steps: int = attrs.field(default=100, validator=_positive_int("train"))
@@ -273,6 +274,7 @@ class TrainConfig:
     log_every: int = attrs.field(default=1, validator=_positive_int("train"))
     out_dir: str = attrs.field(default="runs/default", validator=_str("train"))
     sample_tokens: int = attrs.field(default=200, validator=_nonneg_int("train"))
+    sample_prompt: str = attrs.field(default="def ", validator=_str("train"))
 
 
 @attrs.frozen(kw_only=True)
@@ -378,9 +380,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "block": "parallel",
         },
         "data": {"micro_batch": 8, "global_batch": 16},
-        "optim": {"name": "lamb", "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 20},
-        "train": {"steps": 200, "out_dir": "runs/tiny", "log_every": 5},
-        "checkpoint": {"every": 50},
+        "optim": {"name": "lamb", "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 30},
+        "train": {"steps": 600, "out_dir": "runs/tiny", "log_every": 10},
+        "checkpoint": {"every": 100},
     },
     # GPT-3 XL-like, 1.3B parameters.
     "gpt-1b": {

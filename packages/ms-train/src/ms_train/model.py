@@ -175,9 +175,10 @@ class LinearBiasGeLU(nn.Module):
         nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return bias_gelu(
-            F.linear(x, self.weight), self.bias, self.approximate, backend=self.backend
-        )
+        h = F.linear(x, self.weight)
+        # Under autocast the GEMM comes out in the autocast dtype; the bias follows it.
+        bias = self.bias if self.bias.dtype == h.dtype else self.bias.to(h.dtype)
+        return bias_gelu(h, bias, self.approximate, backend=self.backend)
 
     def extra_repr(self) -> str:
         return (
@@ -244,8 +245,15 @@ class Block(nn.Module):
         a = self.attn(self.ln1(x))
         ln2 = self.ln2
         # h = x + a and LN2(h) in one fused op.
+        # Under autocast ``a`` is in the autocast dtype; the residual stream keeps x's.
         y, h = add_layer_norm(
-            a, x, ln2.normalized_shape, ln2.weight, ln2.bias, ln2.eps, backend=ln2.backend
+            a.to(x.dtype),
+            x,
+            ln2.normalized_shape,
+            ln2.weight,
+            ln2.bias,
+            ln2.eps,
+            backend=ln2.backend,
         )
         return h + self.mlp(y)  # type: ignore[no-any-return]
 
@@ -364,3 +372,41 @@ class GPT(nn.Module):
             flat = flat.float()
         loss = F.cross_entropy(flat, targets.reshape(-1).long())
         return logits, loss
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """``prompt`` (B, P) followed by ``max_new_tokens`` sampled tokens, (B, P + n).
+
+        Each step runs the model on the last ``seq_len`` tokens (no KV cache: meant for
+        short samples) and samples the next token from ``softmax(logits / temperature)``
+        restricted to the ``top_k`` most likely; ``temperature=0`` takes the argmax.
+        """
+        self._check_inputs(prompt, None)
+        if type(max_new_tokens) is not int or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not (isinstance(temperature, (int, float)) and temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        if top_k is not None and (type(top_k) is not int or top_k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        tokens = prompt
+        for _ in range(max_new_tokens):
+            logits = self(tokens[:, -self.config.seq_len :])[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None and top_k < logits.shape[-1]:
+                    kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            tokens = torch.cat([tokens, nxt.to(tokens.dtype)], dim=1)
+        return tokens

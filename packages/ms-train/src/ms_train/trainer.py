@@ -1,0 +1,547 @@
+"""The training loop: the pieces composed.
+
+One optimizer step on every rank:
+
+1. the learning rate of the step (linear warm-up, cosine decay: ``ms_train.schedule``);
+2. ``grad_accum`` micro-batches from the ms-data ``NodeLoader`` (one reader process per
+   node fills a shared-memory ring ``data.prefetch`` steps ahead), forward under bf16
+   autocast where enabled, backward of ``loss / grad_accum``; the data-parallel engine
+   reduces gradients on the last micro-batch only;
+3. the global gradient norm clipped to ``optim.clip_grad``; the ms-optim LAMB (or torch
+   AdamW) step;
+4. every ``checkpoint.every`` steps and at the end, an ms-ckpt two-stage checkpoint of
+   the model, optimizer, loader position, RNG and step: training goes on while a
+   separate process writes it.
+
+**Batches.** Step ``s`` trains on global samples ``[s * GB, (s + 1) * GB)`` of the
+packed stream (``GB = data.global_batch``), however the ranks split them: rank ``r`` of
+``dp`` gets the samples ``g`` with ``g % dp == r``, ``micro_batch`` per loader step, and
+``GB / (dp * micro_batch)`` loader steps make one optimizer step. The loss of a step is
+the mean over its global batch, so one process and ``dp`` ranks train the same model.
+
+**Resume.** With ``checkpoint.resume`` the newest committed checkpoint under
+``checkpoint.dir`` is loaded (a damaged one falls back to the previous, with a warning)
+and training continues to ``train.steps``; on CPU the continued run is bit-identical to
+an uninterrupted one. ``metrics.jsonl`` keeps the lines up to the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ms_ckpt import Checkpointer, rng_state
+from ms_data import Corpus, NodeLoader, PackedDataset, get_tokenizer
+from ms_optim import Lamb, lamb_param_groups
+from ms_train import report
+from ms_train.config import Config, ConfigError, OptimConfig
+from ms_train.demo import demo_corpus
+from ms_train.engine import DataParallelEngine, make_engine
+from ms_train.flops import flops_per_token, matmul_peak_flops
+from ms_train.model import GPT
+from ms_train.schedule import lr_at
+
+__all__ = ["RunSummary", "Trainer", "build_optimizer"]
+
+
+@attrs.frozen(kw_only=True)
+class RunSummary:
+    """What a run did (every rank returns the same numbers but ``files`` and ``sample``,
+    which rank 0 alone writes).
+
+    Attributes:
+        start_step: the step it started from (the checkpoint's, 0 for a fresh run).
+        end_step: the step it reached.
+        losses: ``(step, loss)`` of each logged step of this run: the loss averaged over
+            the global batch and over the steps since the previous logged step.
+        tokens: tokens trained on by this run, all ranks.
+        wall_s: seconds from the first step to the last, the first step excluded from
+            the rates (start-up and warm-up).
+        tokens_per_s, mfu, data_wait: whole-job throughput after the first step, its
+            model FLOPs over ``world_size x peak_flops``, and rank 0's share of step
+            time spent waiting for data.
+        peak_flops: the per-rank FLOP/s MFU is measured against.
+    """
+
+    start_step: int
+    end_step: int
+    losses: list[tuple[int, float]]
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    mfu: float
+    data_wait: float
+    peak_flops: float
+    world_size: int
+    dp: int
+    grad_accum: int
+    out_dir: str
+    checkpoint_dir: str
+    files: dict[str, str]
+    sample: str | None
+
+
+def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
+    """LAMB (ms-optim) or AdamW (torch) over two groups: weights with weight decay;
+    biases, norm parameters and embeddings without (and, for LAMB, without layer
+    adaptation)."""
+    groups = lamb_param_groups(model, config.weight_decay, exclude_types=(nn.Embedding,))
+    betas = (config.beta1, config.beta2)
+    if config.name == "lamb":
+        return Lamb(groups, lr=config.lr, betas=betas, eps=config.eps)
+    plain = [{k: v for k, v in g.items() if k != "layer_adaptation"} for g in groups]
+    return torch.optim.AdamW(plain, lr=config.lr, betas=betas, eps=config.eps)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None else int(value)
+
+
+def _resolve_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device is 'cuda' but CUDA is not available here")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _resolve_precision(choice: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for fp32."""
+    if choice == "fp32":
+        return None
+    if choice == "bf16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("train.precision is 'bf16' but this GPU does not support bf16")
+        return torch.bfloat16
+    # auto: bf16 where it is fast (CUDA with bf16 support); fp32 on CPU.
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+class Trainer:
+    """Trains ``config`` on this process's rank; every rank of the job builds one.
+
+    Under torchrun (``WORLD_SIZE`` > 1) the default process group is created here when
+    it does not exist yet (gloo on CPU, NCCL on CUDA) and destroyed by :meth:`close`.
+
+    Args:
+        config: the run.
+        engine: the data-parallel engine; default: ``parallel.engine`` from ``ENGINES``.
+        stream: where rank 0 reports (default stdout); other ranks stay quiet.
+        peak_flops: per-rank FLOP/s for MFU; default: measured at start with back-to-back
+            matmuls on this device (``ms_train.flops.matmul_peak_flops``, about a second).
+        job_id: names the node loader's shared memory; default: agreed among the ranks.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        engine: DataParallelEngine | None = None,
+        stream: TextIO | None = None,
+        peak_flops: float | None = None,
+        job_id: str | None = None,
+    ) -> None:
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a ms_train.Config, got {type(config).__name__}")
+        self.config = config
+        self._owns_group = False
+        self._closed = False
+        world = _env_int("WORLD_SIZE", 1)
+        if world > 1 and not dist.is_initialized():
+            backend = (
+                "nccl" if torch.cuda.is_available() and config.train.device != "cpu" else "gloo"
+            )
+            dist.init_process_group(backend)
+            self._owns_group = True
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        p = config.parallel
+        if p.tp > 1 or p.pp > 1:
+            raise ConfigError(
+                f"parallel.tp = {p.tp} and parallel.pp = {p.pp}: this trainer runs data "
+                "parallelism only until the ms-parallel tensor/pipeline engine is wired in; "
+                "set both to 1"
+            )
+        self.dp, self.grad_accum = config.layout(self.world_size)
+        self.local_rank = _env_int("LOCAL_RANK", self.rank)
+        self.local_world_size = _env_int("LOCAL_WORLD_SIZE", self.world_size)
+        self.device = _resolve_device(config.train.device, self.local_rank)
+        self.autocast_dtype = _resolve_precision(config.train.precision, self.device)
+        self.stream = sys.stdout if stream is None else stream
+        self.out_dir = Path(config.train.out_dir)
+        self.checkpoint_dir = config.checkpoint.dir or str(self.out_dir / "ckpt")
+        torch.manual_seed(config.train.seed + self.rank)  # dropout; weights seed by name
+
+        self.tokenizer = get_tokenizer(config.data.tokenizer)
+        m = config.model
+        if self.tokenizer.vocab_size > m.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's "
+                f"vocabulary ({self.tokenizer.vocab_size}, data.tokenizer = "
+                f"{config.data.tokenizer!r})"
+            )
+        shards = config.data.shards or str(demo_corpus(progress=self.rank == 0))
+        self.dataset = PackedDataset(
+            Corpus(shards),
+            m.seq_len,
+            seed=config.data.seed,
+            eos_id=self.tokenizer.eos_id,
+            shuffle=config.data.shuffle,
+            dp_rank=self.rank,
+            dp_size=self.dp,
+        )
+        no_torchrun = os.environ.get("TORCHELASTIC_RUN_ID") is None
+        if job_id is None and no_torchrun and self.local_world_size > 1:
+            job_id = self._agree(uuid.uuid4().hex)
+        self.loader = NodeLoader(
+            self.dataset,
+            micro_batch=config.data.micro_batch,
+            dp_rank=self.rank,
+            dp_size=self.dp,
+            local_rank=self.local_rank,
+            local_world_size=self.local_world_size,
+            depth=config.data.prefetch,
+            job_id=job_id,
+        )
+
+        self.model = GPT(m, device=self.device)
+        self.engine = engine if engine is not None else make_engine(p.engine, self.device)
+        self.wrapped = self.engine.wrap(self.model)
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.checkpointer = Checkpointer(self.checkpoint_dir, keep_last=config.checkpoint.keep_last)
+        self.flops_per_token = flops_per_token(
+            n_layers=m.n_layers,
+            d_model=m.d_model,
+            seq_len=m.seq_len,
+            vocab_size=m.vocab_size,
+            d_ff=m.d_ff,
+            window=m.window,
+        ).total
+        self._peak_flops = peak_flops
+        self.step = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    def _agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        if not dist.is_initialized() or self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _say(self, text: str) -> None:
+        if self.rank == 0:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "optim": self.optimizer,
+            "loader": self.loader,
+            "rng": rng_state(),
+            "step": self.step,
+        }
+
+    def peak_flops(self) -> float:
+        """Per-rank FLOP/s MFU is measured against (measured once when not given)."""
+        if self._peak_flops is None:
+            size = 1024 if self.device.type == "cpu" else 8192
+            measured = matmul_peak_flops(
+                str(self.device), n=size, seconds=0.5, dtype=self.autocast_dtype
+            )
+            # Every rank uses the same figure: rank 0's measurement.
+            self._peak_flops = float(self._agree(measured))
+        return self._peak_flops
+
+    # ------------------------------------------------------------------ the loop
+
+    def resume(self) -> int:
+        """Load the newest committed checkpoint when resuming is on; the step to start at."""
+        if not self.config.checkpoint.resume:
+            return 0
+        has = self._agree(any(self.checkpointer.steps().values()) if self.rank == 0 else None)
+        if not has:
+            return 0
+        state = self._state()
+        self.step = self.checkpointer.load(state, fallback=True)
+        return self.step
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step (0-based ``step``): (loss on this rank, grad norm, lr)."""
+        c = self.config
+        lr = lr_at(
+            step,
+            lr=c.optim.lr,
+            min_lr=c.optim.min_lr,
+            warmup_steps=c.optim.warmup_steps,
+            total_steps=c.train.steps,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.device)
+        for micro in range(self.grad_accum):
+            batch = next(self.loader).to(self.device, non_blocking=True)
+            last = micro == self.grad_accum - 1
+            with contextlib.nullcontext() if last else self.engine.no_sync(self.wrapped):
+                with self._autocast():
+                    _, loss = self.wrapped(batch[:, :-1], batch[:, 1:])
+                (loss / self.grad_accum).backward()
+            total += loss.detach()
+        clip = c.optim.clip_grad if c.optim.clip_grad > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / self.grad_accum, grad_norm, lr
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        if self.world_size > 1:
+            value = value.clone()
+            dist.all_reduce(value)
+            value /= self.world_size
+        return float(value.item())
+
+    def train(self) -> RunSummary:
+        """Resume if there is a checkpoint, train to ``train.steps``, checkpoint, report."""
+        c = self.config
+        start = self.resume()
+        total_steps = c.train.steps
+        tokens_per_step = c.data.global_batch * c.model.seq_len
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2) + "\n")
+        self._header(start)
+        metrics = (
+            report.MetricsLog(self.out_dir / "metrics.jsonl", resume_at=start)
+            if self.rank == 0
+            else None
+        )
+        progress = report.Progress(total_steps, start=start, stream=self.stream)
+        peak = self.peak_flops() if start < total_steps else (self._peak_flops or math.nan)
+
+        losses: list[tuple[int, float]] = []
+        window_loss = torch.zeros((), device=self.device)
+        handle = None
+        t_first = t_window = time.perf_counter()
+        window_steps = 0
+        wait0 = (self.loader.data_wait_s, self.loader.wall_s)
+        for step in range(start, total_steps):
+            loss, grad_norm, lr = self.train_step(step)
+            self.step = done = step + 1
+            window_steps += 1
+            window_loss += loss
+            logged = done == start + 1 or done % c.train.log_every == 0 or done == total_steps
+            record: dict[str, float] | None = None
+            if logged:
+                mean_loss = self._global_mean(window_loss / window_steps)
+                now = time.perf_counter()
+                rate = window_steps * tokens_per_step / max(now - t_window, 1e-9)
+                waited = self.loader.data_wait_s - wait0[0]
+                walled = self.loader.wall_s - wait0[1]
+                record = {
+                    "step": done,
+                    "loss": mean_loss,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm.item()),
+                    "tokens_per_s": rate,
+                    "mfu": rate * self.flops_per_token / (self.world_size * peak),
+                    "data_wait": waited / walled if walled > 0 else 0.0,
+                    "tokens": done * tokens_per_step,
+                }
+                losses.append((done, mean_loss))
+                if metrics is not None:
+                    metrics.write(record)
+                if done == start + 1:  # rates from here on leave out start-up
+                    t_first = now
+                t_window, window_steps = now, 0
+                window_loss.zero_()
+                wait0 = (self.loader.data_wait_s, self.loader.wall_s)
+            if (c.checkpoint.every and done % c.checkpoint.every == 0) or done == total_steps:
+                self.step = done
+                handle = self.checkpointer.save(done, self._state())
+            if self.rank == 0:
+                elapsed = time.perf_counter() - t_first
+                per_step = elapsed / (done - start - 1) if done > start + 1 else math.nan
+                progress.update(done, per_step * (total_steps - done), record)
+        t_end = time.perf_counter()  # the final checkpoint's write is not training time
+        progress.close()
+        if handle is not None:
+            handle.wait()
+        if metrics is not None:
+            metrics.close()
+
+        trained = max(0, total_steps - start)
+        timed_steps = max(0, trained - 1)
+        wall = t_end - t_first if trained else 0.0
+        rate = timed_steps * tokens_per_step / wall if timed_steps and wall > 0 else math.nan
+        summary = RunSummary(
+            start_step=start,
+            end_step=max(start, total_steps),
+            losses=losses,
+            tokens=trained * tokens_per_step,
+            wall_s=wall,
+            tokens_per_s=rate,
+            mfu=rate * self.flops_per_token / (self.world_size * peak),
+            data_wait=self.loader.data_wait_fraction,
+            peak_flops=peak,
+            world_size=self.world_size,
+            dp=self.dp,
+            grad_accum=self.grad_accum,
+            out_dir=str(self.out_dir),
+            checkpoint_dir=self.checkpoint_dir,
+            files={},
+            sample=None,
+        )
+        if self.rank == 0:
+            summary = self._finish(summary)
+        return summary
+
+    # ------------------------------------------------------------------ reporting
+
+    def _header(self, start: int) -> None:
+        c = self.config
+        m = c.model
+        attention = f"sliding window {m.window}" if m.window else "full causal"
+        precision = "fp32" if self.autocast_dtype is None else "bf16 autocast"
+        lines = [
+            f"ms-train: GPT {self.model.num_parameters() / 1e6:.2f}M parameters "
+            f"({m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, {m.block} blocks, "
+            f"{attention}), seq_len {m.seq_len}",
+            f"  {self.world_size} rank(s) on {self.device.type} ({precision}): data-parallel "
+            f"{self.dp} x micro-batch {c.data.micro_batch} x accumulation {self.grad_accum} "
+            f"= global batch {c.data.global_batch}; engine {self.engine.name}; "
+            f"optimizer {c.optim.name}",
+            f"  data: {self.dataset.corpus.n_docs} documents, {self.dataset.corpus.n_tokens:,} "
+            f"tokens ({c.data.shards or 'embedded demo corpus'})",
+        ]
+        if start >= c.train.steps:
+            lines.append(
+                f"  checkpoint: step {start} under {self.checkpoint_dir} already reaches "
+                f"train.steps = {c.train.steps}; nothing to train (raise train.steps to go on)"
+            )
+        elif start:
+            lines.append(
+                f"  checkpoint: resumed from step {start} under {self.checkpoint_dir}; "
+                f"training steps {start + 1}..{c.train.steps}"
+            )
+        else:
+            lines.append(
+                f"  checkpoint: none found; starting fresh, saving to {self.checkpoint_dir}"
+            )
+        self._say("\n".join(lines))
+
+    def sample(self) -> str | None:
+        """A short continuation of ``train.sample_prompt`` from the current model."""
+        c = self.config.train
+        if c.sample_tokens == 0:
+            return None
+        prompt = self.tokenizer.encode(c.sample_prompt) or [self.tokenizer.eos_id or 0]
+        generator = torch.Generator(device=self.device).manual_seed(c.seed)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._autocast():
+                ids = self.model.generate(
+                    torch.tensor([prompt], device=self.device),
+                    c.sample_tokens,
+                    temperature=0.8,
+                    top_k=40,
+                    generator=generator,
+                )
+        finally:
+            self.model.train(was_training)
+        decode = getattr(self.tokenizer, "decode", None)  # not every tokenizer has one
+        if decode is None:
+            return " ".join(str(i) for i in ids[0].tolist())
+        return str(decode(ids[0].tolist()))
+
+    def _finish(self, summary: RunSummary) -> RunSummary:
+        """Rank 0: the loss plot, the sample and the summary table, written and shown."""
+        files = {"metrics": str(self.out_dir / "metrics.jsonl")}
+        records = report.read_metrics(files["metrics"])
+        if report.plot_loss(records, self.out_dir / "loss.png"):
+            files["loss_plot"] = str(self.out_dir / "loss.png")
+        text = self.sample()
+        if text is not None:
+            files["sample"] = str(self.out_dir / "sample.txt")
+            Path(files["sample"]).write_text(text + "\n")
+            self._say("sample:\n" + "\n".join("  | " + line for line in text.splitlines()))
+        files["summary"] = str(self.out_dir / "summary.json")
+        summary = attrs.evolve(summary, files=files, sample=text)
+        self._say(report.format_summary(self._rows(summary, records)))
+        Path(files["summary"]).write_text(
+            json.dumps(attrs.asdict(summary), indent=2, default=str) + "\n"
+        )
+        return summary
+
+    def _rows(self, s: RunSummary, records: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        def num(x: float, fmt: str) -> str:
+            return "n/a" if not math.isfinite(x) else format(x, fmt)
+
+        first = records[0]["loss"] if records else math.nan
+        last = records[-1]["loss"] if records else math.nan
+        rows = [
+            ("steps", f"{s.start_step} -> {s.end_step} (this run: {s.end_step - s.start_step})"),
+            (
+                "loss",
+                f"{num(first, '.4f')} (step {records[0]['step']}) -> {num(last, '.4f')} "
+                f"(step {records[-1]['step']})"
+                if records
+                else "n/a",
+            ),
+            ("tokens (this run)", f"{s.tokens:,}"),
+            ("wall time", report.format_duration(s.wall_s)),
+            ("throughput", f"{num(s.tokens_per_s, ',.0f')} tokens/s"),
+            (
+                "MFU",
+                f"{100 * s.mfu:.1f}% of {s.peak_flops / 1e9:,.1f} GFLOP/s per rank"
+                if math.isfinite(s.mfu)
+                else "n/a",
+            ),
+            ("data wait", f"{100 * s.data_wait:.1f}% of step time"),
+            ("checkpoints", s.checkpoint_dir),
+        ]
+        rows += [(name.replace("_", " "), path) for name, path in s.files.items()]
+        return rows
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Wait for the last checkpoint, stop the loader, leave the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.checkpointer.finalize()
+        finally:
+            self.loader.close()
+            if self._owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
