@@ -355,3 +355,50 @@ def test_overfits_a_tiny_batch() -> None:
         losses.append(loss.item())
     assert abs(losses[0] - math.log(config.vocab_size)) < 0.1  # small init: near uniform
     assert losses[-1] < 0.25 * losses[0], losses
+
+
+@pytest.mark.parametrize("block", ["parallel", "serial"])
+def test_bf16_autocast_matches_fp32(block: str) -> None:
+    """Under CPU bf16 autocast the GEMMs run in bf16 and the residual stream stays fp32;
+    the logits and gradients stay within bf16 error of the fp32 model's (relative norm
+    error; bf16 keeps 8 bits of mantissa, 0.4% per rounding)."""
+    config = tiny(block=block, window=3, seed=5)
+    model = GPT(config)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (2, 8), generator=gen)
+    weights = torch.randn(2, 8, config.vocab_size, generator=gen)
+    logits, grads = _run(model, tokens, weights)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low_logits, low_grads = _run(model, tokens, weights)
+    assert low_logits.dtype == torch.bfloat16
+    assert (low_logits.float() - logits).norm() / logits.norm() < 0.01
+    for name, grad in grads.items():
+        assert low_grads[name].dtype == torch.float32, name
+        error = (low_grads[name] - grad).norm() / grad.norm()
+        assert error < 0.02, (name, float(error))
+
+
+def test_generate() -> None:
+    config = tiny(seed=2)
+    model = GPT(config).eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    greedy = model.generate(prompt, 5, temperature=0)
+    assert greedy.shape == (1, 8) and torch.equal(greedy[:, :3], prompt)
+    # Greedy decoding step by step by hand, the window sliding past seq_len.
+    tokens = prompt
+    for _ in range(5):
+        nxt = model(tokens[:, -config.seq_len :])[:, -1].argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, nxt], dim=1)
+    assert torch.equal(greedy, tokens)
+    assert torch.equal(model.generate(prompt, 5, top_k=1), greedy)  # top-1 sampling is greedy
+    gen = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    a = model.generate(prompt, 20, temperature=1.5, generator=gen())
+    assert torch.equal(a, model.generate(prompt, 20, temperature=1.5, generator=gen()))
+    assert int(a.max()) < config.vocab_size
+    assert model.generate(prompt, 0).shape == (1, 3)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0, got -1"):
+        model.generate(prompt, -1)
+    with pytest.raises(ValueError, match=r"temperature must be a number >= 0, got -0\.5"):
+        model.generate(prompt, 1, temperature=-0.5)
+    with pytest.raises(ValueError, match="top_k must be None or an int >= 1, got 0"):
+        model.generate(prompt, 1, top_k=0)

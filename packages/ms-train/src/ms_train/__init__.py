@@ -1,23 +1,31 @@
-"""The composition: GPT model, typed config, CLI and an embedded demo.
+"""The composition: GPT model, typed config, trainer, CLI and an embedded demo.
 
-Built so far: the configuration (``ms_train.config``), the GPT model on ms-kernels ops
-(``ms_train.model``) and model-FLOPs / MFU accounting (``ms_train.flops``). The trainer,
-the ``ms-train`` command and the demo are not built yet (README.md).
+``ms_train.config`` (typed configuration and presets), ``ms_train.model`` (the GPT on
+ms-kernels ops), ``ms_train.trainer`` (the loop over ms-data, ms-optim and ms-ckpt),
+``ms_train.engine`` (the swappable data-parallel wrapper), ``ms_train.flops`` (model
+FLOPs and MFU) and the ``ms-train`` command (``ms_train.cli``).
 """
 
 from ms_train._version import __version__
 from ms_train.config import PRESETS, Config, ConfigError, ModelConfig, load_config
+from ms_train.engine import DataParallelEngine, DDPEngine
 from ms_train.flops import FlopsPerToken, flops_per_token, mfu
 from ms_train.model import GPT
+from ms_train.trainer import RunSummary, Trainer, build_optimizer
 
 __all__ = [
     "GPT",
     "PRESETS",
     "Config",
     "ConfigError",
+    "DDPEngine",
+    "DataParallelEngine",
     "FlopsPerToken",
     "ModelConfig",
+    "RunSummary",
+    "Trainer",
     "__version__",
+    "build_optimizer",
     "flops_per_token",
     "load_config",
     "mfu",
