@@ -9,7 +9,7 @@ STAMP := $(VENV)/.ms-installed
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-m 'not slow'"`.
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck pytest test-one bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt clean
+.PHONY: run test lint typecheck pytest test-one bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -60,6 +60,9 @@ bench-data: $(STAMP)
 bench-ckpt: $(STAMP)
 	$(BIN)/python tools/bench/ckpt/stall.py --gib 1 --reps 3
 	$(BIN)/python tools/bench/ckpt/restore.py --gib 1 --reps 3
+
+bench-train: $(STAMP)
+	$(BIN)/python tools/bench/train/throughput.py --reps 8
 
 # Without a CUDA device this prints "no CUDA device" and exits 0, measuring nothing.
 bench-kernels-gpu: $(STAMP)

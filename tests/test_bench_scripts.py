@@ -6,6 +6,7 @@ script starts, takes its flags, prints its tables and writes JSON only when it m
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -112,3 +113,35 @@ def test_ckpt_restore_smoke_checks_every_candidate(tmp_path: Path) -> None:
     assert "read 1.00x the stored shard bytes" in out
     assert "read 2.00x the stored shard bytes" in out
     assert not list(tmp_path.rglob("*")), "--smoke wrote files into its working directory"
+
+
+@pytest.mark.slow
+def test_train_throughput_smoke_writes_ratio_and_mfu(tmp_path: Path) -> None:
+    """ms-train and the plain loops each train a few steps; the JSON holds the ratios and
+    the CPU MFU, and both ran the same math (the same losses)."""
+    out = tmp_path / "out" / "train_throughput.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "bench" / "train" / "throughput.py"),
+            "--smoke",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
+    assert "ratio ms-train / plain:" in proc.stdout, proc.stdout[-2000:]
+    record = json.loads(out.read_text())
+    assert record["smoke"] is True
+    assert record["ratio"] > 0 and len(record["ratio_per_rep"]) == 1
+    assert record["ratio_in_memory_batches"] > 0 and record["ratio_vs_plain_with_reads"] > 0
+    assert 0 < record["mfu"] < 1 and 0 < record["mfu_plain"] < 1
+    assert record["matmul_flops"]["before"] > 0
+    assert record["losses_match"], record["loss_max_rel_diff"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "train_throughput.json"]

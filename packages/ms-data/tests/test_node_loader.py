@@ -518,3 +518,31 @@ def test_layout_validation(corpus_dir: Path, monkeypatch: pytest.MonkeyPatch) ->
     loader = NodeLoader(ds, micro_batch=1, tp_size=2)
     assert (loader.dp_rank, loader.dp_size, loader.dp_index, loader.tp_rank) == (2, 4, 0, 1)
     assert loader.dp_first == 2 and loader.global_batch == 4
+
+
+def _voluntary_switches(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches"):
+            return int(line.split()[1])
+    raise AssertionError(f"no voluntary_ctxt_switches in /proc/{pid}/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_a_full_ring_is_polled_at_the_pace_of_the_ranks(corpus_dir: Path) -> None:
+    """With the ring full and a rank taking a batch every 60 ms, the reader sleeps in
+    steps sized to that pace (a few wake-ups per batch) instead of every millisecond,
+    which would take time from the trainer's threads; every batch is still ready."""
+    ds = make_dataset(corpus_dir)
+    with single_loader(ds, new_job(), dp_rank=0, dp_size=1, depth=4) as loader:
+        next(loader)
+        time.sleep(0.3)  # the ring fills
+        pid = loader.reader_pid
+        assert pid is not None
+        before, t0 = _voluntary_switches(pid), time.monotonic()
+        for _ in range(25):
+            time.sleep(0.06)
+            next(loader)
+        rate = (_voluntary_switches(pid) - before) / (time.monotonic() - t0)
+        # 1 ms polling: about 1000 a second; paced: about 100 (measured 90).
+        assert rate < 300, f"{rate:.0f} reader wake-ups per second"
+        assert loader.data_wait_s < 0.05, loader.stats()

@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from torch import nn
@@ -271,6 +272,54 @@ def test_bf16_autocast_on_cpu(corpus: Path, tmp_path: Path, block: str) -> None:
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
 
 
+class MemoryLoader:
+    """The samples of the global stream, read up front: one process, no accumulation
+    split, ``micro`` samples per batch, checkpointable by position."""
+
+    def __init__(self, corpus: Path, config: Config) -> None:
+        from ms_data import Corpus, PackedDataset
+
+        dataset = PackedDataset(Corpus(str(corpus)), config.model.seq_len, seed=0, eos_id=256)
+        self.micro = config.data.micro_batch
+        self.samples = torch.stack(
+            [torch.from_numpy(dataset.sample(g)) for g in range(self.micro * 64)]
+        )
+        self.position = 0
+
+    def __next__(self) -> torch.Tensor:
+        batch = self.samples[self.position : self.position + self.micro]
+        self.position += self.micro
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+@pytest.mark.timeout(120)
+def test_a_given_loader_replaces_the_node_loader(corpus: Path, tmp_path: Path) -> None:
+    """The same samples through a loader given to the trainer train exactly the same
+    model as the node loader; its state goes into the checkpoint and comes back."""
+    config = _config(corpus, tmp_path / "node", "train.steps=6")
+    reference = [loss for _, loss in _train(config)["losses"]]
+    given = _config(corpus, tmp_path / "given", "train.steps=4")
+    with Trainer(
+        given, peak_flops=1e9, stream=io.StringIO(), loader=MemoryLoader(corpus, given)
+    ) as t:
+        first = [loss for _, loss in t.train().losses]
+    longer = attrs.evolve(given, train=attrs.evolve(given.train, steps=6))
+    loader = MemoryLoader(corpus, longer)
+    stream = io.StringIO()
+    with Trainer(longer, peak_flops=1e9, stream=stream, loader=loader) as t:
+        rest = [loss for _, loss in t.train().losses]
+    assert "data: a MemoryLoader given to the trainer" in stream.getvalue()
+    assert "resumed from step 4" in stream.getvalue()
+    assert loader.position == 6 * 8  # restored to 4 steps, then 2 more
+    assert first + rest == reference
+
+
 def test_trainer_refuses_what_it_cannot_run(corpus: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"parallel.tp = 2 .* data parallelism only"):
         Trainer(_config(corpus, tmp_path, "parallel.tp=2"))
@@ -278,6 +327,8 @@ def test_trainer_refuses_what_it_cannot_run(corpus: Path, tmp_path: Path) -> Non
         Trainer(_config(corpus, tmp_path, "model.vocab_size=100"))
     with pytest.raises(TypeError, match=r"config must be a ms_train\.Config"):
         Trainer({"model": {}})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="loader must be an iterator, got list"):
+        Trainer(_config(corpus, tmp_path), loader=[1, 2])
 
 
 def test_engines() -> None:

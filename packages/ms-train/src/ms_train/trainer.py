@@ -146,6 +146,13 @@ class Trainer:
         peak_flops: per-rank FLOP/s for MFU; default: measured at start with back-to-back
             matmuls on this device (``ms_train.flops.matmul_peak_flops``, about a second).
         job_id: names the node loader's shared memory; default: agreed among the ranks.
+        loader: this rank's micro-batches instead of the ms-data ``NodeLoader`` over
+            ``data.shards``: an iterator of int64 tensors of shape ``(data.micro_batch,
+            model.seq_len + 1)``, step ``t`` of rank ``r`` holding the samples the global
+            stream gives it (see the module docstring). With ``state_dict`` /
+            ``load_state_dict`` it is checkpointed and resumed; ``data_wait_s`` and
+            ``wall_s`` counters, when it has them, feed the data-wait metric; ``close()``
+            is called by :meth:`close`.
     """
 
     def __init__(
@@ -156,6 +163,7 @@ class Trainer:
         stream: TextIO | None = None,
         peak_flops: float | None = None,
         job_id: str | None = None,
+        loader: Any = None,
     ) -> None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a ms_train.Config, got {type(config).__name__}")
@@ -196,29 +204,14 @@ class Trainer:
                 f"vocabulary ({self.tokenizer.vocab_size}, data.tokenizer = "
                 f"{config.data.tokenizer!r})"
             )
-        shards = config.data.shards or str(demo_corpus(progress=self.rank == 0))
-        self.dataset = PackedDataset(
-            Corpus(shards),
-            m.seq_len,
-            seed=config.data.seed,
-            eos_id=self.tokenizer.eos_id,
-            shuffle=config.data.shuffle,
-            dp_rank=self.rank,
-            dp_size=self.dp,
-        )
-        no_torchrun = os.environ.get("TORCHELASTIC_RUN_ID") is None
-        if job_id is None and no_torchrun and self.local_world_size > 1:
-            job_id = self._agree(uuid.uuid4().hex)
-        self.loader = NodeLoader(
-            self.dataset,
-            micro_batch=config.data.micro_batch,
-            dp_rank=self.rank,
-            dp_size=self.dp,
-            local_rank=self.local_rank,
-            local_world_size=self.local_world_size,
-            depth=config.data.prefetch,
-            job_id=job_id,
-        )
+        self.dataset: PackedDataset | None = None
+        self.loader: Any
+        if loader is not None:
+            if not callable(getattr(loader, "__next__", None)):
+                raise TypeError(f"loader must be an iterator, got {type(loader).__name__}")
+            self.loader = loader
+        else:
+            self.loader = self._node_loader(job_id)
 
         self.model = GPT(m, device=self.device)
         self.engine = engine if engine is not None else make_engine(p.engine, self.device)
@@ -237,6 +230,40 @@ class Trainer:
         self.step = 0
 
     # ------------------------------------------------------------------ helpers
+
+    def _node_loader(self, job_id: str | None) -> NodeLoader:
+        """The ms-data node loader over ``data.shards`` (or the demo corpus)."""
+        c = self.config
+        shards = c.data.shards or str(demo_corpus(progress=self.rank == 0))
+        self.dataset = PackedDataset(
+            Corpus(shards),
+            c.model.seq_len,
+            seed=c.data.seed,
+            eos_id=self.tokenizer.eos_id,
+            shuffle=c.data.shuffle,
+            dp_rank=self.rank,
+            dp_size=self.dp,
+        )
+        no_torchrun = os.environ.get("TORCHELASTIC_RUN_ID") is None
+        if job_id is None and no_torchrun and self.local_world_size > 1:
+            job_id = self._agree(uuid.uuid4().hex)
+        return NodeLoader(
+            self.dataset,
+            micro_batch=c.data.micro_batch,
+            dp_rank=self.rank,
+            dp_size=self.dp,
+            local_rank=self.local_rank,
+            local_world_size=self.local_world_size,
+            depth=c.data.prefetch,
+            job_id=job_id,
+        )
+
+    def _waits(self) -> tuple[float, float]:
+        """The loader's (seconds waited for data, wall seconds between batches)."""
+        return (
+            float(getattr(self.loader, "data_wait_s", 0.0)),
+            float(getattr(self.loader, "wall_s", 0.0)),
+        )
 
     def _agree(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""
@@ -257,13 +284,20 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _state(self) -> dict[str, Any]:
-        return {
+        state = {
             "model": self.model,
             "optim": self.optimizer,
-            "loader": self.loader,
             "rng": rng_state(),
             "step": self.step,
         }
+        if callable(getattr(self.loader, "state_dict", None)):
+            state["loader"] = self.loader
+        return state
+
+    def data_wait_fraction(self) -> float:
+        """The share of this rank's step time spent waiting for data, start-ups excluded."""
+        waited, walled = self._waits()
+        return waited / walled if walled > 0 else 0.0
 
     def peak_flops(self) -> float:
         """Per-rank FLOP/s MFU is measured against (measured once when not given)."""
@@ -346,7 +380,7 @@ class Trainer:
         handle = None
         t_first = t_window = time.perf_counter()
         window_steps = 0
-        wait0 = (self.loader.data_wait_s, self.loader.wall_s)
+        wait0 = self._waits()
         for step in range(start, total_steps):
             loss, grad_norm, lr = self.train_step(step)
             self.step = done = step + 1
@@ -358,8 +392,8 @@ class Trainer:
                 mean_loss = self._global_mean(window_loss / window_steps)
                 now = time.perf_counter()
                 rate = window_steps * tokens_per_step / max(now - t_window, 1e-9)
-                waited = self.loader.data_wait_s - wait0[0]
-                walled = self.loader.wall_s - wait0[1]
+                waits = self._waits()
+                waited, walled = waits[0] - wait0[0], waits[1] - wait0[1]
                 record = {
                     "step": done,
                     "loss": mean_loss,
@@ -377,7 +411,7 @@ class Trainer:
                     t_first = now
                 t_window, window_steps = now, 0
                 window_loss.zero_()
-                wait0 = (self.loader.data_wait_s, self.loader.wall_s)
+                wait0 = self._waits()
             if (c.checkpoint.every and done % c.checkpoint.every == 0) or done == total_steps:
                 self.step = done
                 handle = self.checkpointer.save(done, self._state())
@@ -404,7 +438,7 @@ class Trainer:
             wall_s=wall,
             tokens_per_s=rate,
             mfu=rate * self.flops_per_token / (self.world_size * peak),
-            data_wait=self.loader.data_wait_fraction,
+            data_wait=self.data_wait_fraction(),
             peak_flops=peak,
             world_size=self.world_size,
             dp=self.dp,
@@ -433,8 +467,7 @@ class Trainer:
             f"{self.dp} x micro-batch {c.data.micro_batch} x accumulation {self.grad_accum} "
             f"= global batch {c.data.global_batch}; engine {self.engine.name}; "
             f"optimizer {c.optim.name}",
-            f"  data: {self.dataset.corpus.n_docs} documents, {self.dataset.corpus.n_tokens:,} "
-            f"tokens ({c.data.shards or 'embedded demo corpus'})",
+            f"  data: {self._describe_data()}",
         ]
         if start >= c.train.steps:
             lines.append(
@@ -451,6 +484,13 @@ class Trainer:
                 f"  checkpoint: none found; starting fresh, saving to {self.checkpoint_dir}"
             )
         self._say("\n".join(lines))
+
+    def _describe_data(self) -> str:
+        if self.dataset is None:
+            return f"a {type(self.loader).__name__} given to the trainer"
+        corpus = self.dataset.corpus
+        source = self.config.data.shards or "embedded demo corpus"
+        return f"{corpus.n_docs} documents, {corpus.n_tokens:,} tokens ({source})"
 
     def sample(self) -> str | None:
         """A short continuation of ``train.sample_prompt`` from the current model."""
@@ -536,7 +576,9 @@ class Trainer:
         try:
             self.checkpointer.finalize()
         finally:
-            self.loader.close()
+            close = getattr(self.loader, "close", None)
+            if callable(close):
+                close()
             if self._owns_group and dist.is_initialized():
                 dist.destroy_process_group()
 
