@@ -129,6 +129,18 @@ every = {every}
     )
 
 
+def _train_2_ranks(config_file: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``ms-train --config FILE --nproc 2`` to the end."""
+    return subprocess.run(
+        _cli(config_file, "--nproc", "2"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
 def _losses(out: Path) -> list[tuple[int, float, float]]:
     return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(out / "metrics.jsonl")]
 
@@ -139,20 +151,13 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(corpus: Path, tmp_path:
     """2 ranks through torchrun; the whole job (launcher and ranks) is SIGKILLed mid-run
     once a checkpoint has committed; the rerun resumes from the newest committed one and
     every loss equals the uninterrupted run's, bit for bit."""
-    steps, every, kill_after = 80, 10, 15
+    steps, every, kill_after = 160, 10, 15
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     for out in (whole, cut):
         _write_toml(tmp_path / f"{out.name}.toml", corpus, out, steps, every)
 
-    done = subprocess.run(
-        _cli(tmp_path / "whole.toml", "--nproc", "2"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = _train_2_ranks(tmp_path / "whole.toml", env)
     assert done.returncode == 0, done.stdout + done.stderr
     reference = _losses(whole)
     assert [s for s, _, _ in reference] == list(range(1, steps + 1))
@@ -180,14 +185,7 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(corpus: Path, tmp_path:
     resumed_from = max(_committed(cut))
     assert resumed_from < steps
 
-    again = subprocess.run(
-        _cli(tmp_path / "cut.toml", "--nproc", "2"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    again = _train_2_ranks(tmp_path / "cut.toml", env)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resumed from step {resumed_from}" in again.stdout, again.stdout[:600]
     assert _losses(cut) == reference  # every step, before and after the kill, exactly
