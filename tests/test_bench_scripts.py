@@ -93,18 +93,23 @@ def test_gpu_kernels_only_runs_one_section(tmp_path: Path) -> None:
     assert NORMS_TITLE in proc.stdout and ATTENTION_TITLE not in proc.stdout
 
 
-@pytest.mark.slow
-def test_ckpt_restore_smoke_checks_every_candidate(tmp_path: Path) -> None:
-    """Two gloo ranks save a small state, restore it with every candidate (each load is
-    verified against the saved state inside the script) and count the bytes read."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench" / "ckpt" / "restore.py"), "--smoke"],
-        cwd=tmp_path,
+def _run_bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``tools/bench/<script> args`` in ``cwd``, at most 240 s."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench" / script), *args],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=240,
         check=False,
     )
+
+
+@pytest.mark.slow
+def test_ckpt_restore_smoke_checks_every_candidate(tmp_path: Path) -> None:
+    """Two gloo ranks save a small state, restore it with every candidate (each load is
+    verified against the saved state inside the script) and count the bytes read."""
+    proc = _run_bench("ckpt/restore.py", "--smoke", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "### 2 ranks" in out, out[-2000:]
@@ -120,20 +125,7 @@ def test_train_throughput_smoke_writes_ratio_and_mfu(tmp_path: Path) -> None:
     """ms-train and the plain loops each train a few steps; the JSON holds the ratios and
     the CPU MFU, and both ran the same math (the same losses)."""
     out = tmp_path / "out" / "train_throughput.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "bench" / "train" / "throughput.py"),
-            "--smoke",
-            "--out",
-            str(out),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    proc = _run_bench("train/throughput.py", "--smoke", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
     assert "ratio ms-train / plain:" in proc.stdout, proc.stdout[-2000:]

@@ -333,3 +333,19 @@ def test_matmul_peak_flops_cuda_unavailable() -> None:
         pytest.skip("CUDA is available here")
     with pytest.raises(RuntimeError, match="CUDA is unavailable"):
         matmul_peak_flops("cuda", n=8, seconds=0.01)
+
+
+def test_model_flops_per_token_reads_the_model_config() -> None:
+    from ms_train.config import load_config
+    from ms_train.flops import model_flops_per_token
+
+    m = load_config(preset="gpt-175b", overrides=["model.window=512"]).model
+    for attention in ("megatron", "exact"):
+        assert model_flops_per_token(m, attention=attention) == flops_per_token(
+            n_layers=96,
+            d_model=12288,
+            seq_len=2048,
+            vocab_size=64000,
+            window=512,
+            attention=attention,
+        )

@@ -38,7 +38,7 @@ the ratio ms-train / plain of the medians and the min-max of the per-repetition 
 (target >= 0.95), the loss of step 1 and of the last step of both (the same math on the
 same data: a relative difference above 1e-4 is flagged, since then the benchmark would
 not compare the same thing), and CPU "MFU": model FLOPs per second
-(``tokens/s x flops_per_token(...).total``) over the rate of back-to-back 1024 x 1024
+(``tokens/s x model_flops_per_token(config.model).total``) over the rate of back-to-back 1024 x 1024
 fp32 matmuls measured in the same run (``matmul_peak_flops``, before the repetitions;
 that figure is passed to the Trainer; a second measurement after them shows the drift).
 
@@ -80,7 +80,7 @@ from ms_data import Corpus, PackedDataset, get_tokenizer
 from ms_testing.bench import machine_info
 from ms_train.config import Config, load_config
 from ms_train.demo import demo_corpus
-from ms_train.flops import flops_per_token, matmul_peak_flops
+from ms_train.flops import matmul_peak_flops, model_flops_per_token
 from ms_train.model import GPT
 from ms_train.schedule import lr_at
 from ms_train.trainer import Trainer, build_optimizer
@@ -119,17 +119,23 @@ def tokens_per_step(config: Config) -> int:
     return config.data.global_batch * config.model.seq_len
 
 
-def load_samples(config: Config, shards: Path, steps: int) -> torch.Tensor:
-    """The trainer's samples of ``steps`` steps: int64, (steps, accum, micro, seq_len + 1)."""
+def packed_stream(config: Config, shards: Path) -> PackedDataset:
+    """The packed sample stream the trainer reads (one process: every sample)."""
     d = config.data
-    _, accum = config.layout(1)
-    dataset = PackedDataset(
+    return PackedDataset(
         Corpus(str(shards)),
         config.model.seq_len,
         seed=d.seed,
         eos_id=get_tokenizer(d.tokenizer).eos_id,
         shuffle=d.shuffle,
     )
+
+
+def load_samples(config: Config, shards: Path, steps: int) -> torch.Tensor:
+    """The trainer's samples of ``steps`` steps: int64, (steps, accum, micro, seq_len + 1)."""
+    d = config.data
+    _, accum = config.layout(1)
+    dataset = packed_stream(config, shards)
     n = steps * d.global_batch
     flat = torch.stack([torch.from_numpy(dataset.sample(g)) for g in range(n)])
     return flat.reshape(steps, accum, d.micro_batch, config.model.seq_len + 1).contiguous()
@@ -189,13 +195,7 @@ def run_ms(config: Config, peak: float, data: torch.Tensor | None = None) -> dic
 def reading(config: Config, shards: Path) -> Callable[[int, int], torch.Tensor]:
     """Micro-batch ``m`` of step ``s`` read from the shards when asked, in the loop."""
     d = config.data
-    dataset = PackedDataset(
-        Corpus(str(shards)),
-        config.model.seq_len,
-        seed=d.seed,
-        eos_id=get_tokenizer(d.tokenizer).eos_id,
-        shuffle=d.shuffle,
-    )
+    dataset = packed_stream(config, shards)
 
     def batch(s: int, m: int) -> torch.Tensor:
         first = s * d.global_batch + m * d.micro_batch
@@ -299,14 +299,7 @@ def main() -> None:
     m = config.model
     dp, accum = config.layout(1)
     per_step = tokens_per_step(config)
-    fpt = flops_per_token(
-        n_layers=m.n_layers,
-        d_model=m.d_model,
-        seq_len=m.seq_len,
-        vocab_size=m.vocab_size,
-        d_ff=m.d_ff,
-        window=m.window,
-    ).total
+    fpt = model_flops_per_token(m).total
     data = load_samples(config, shards, max(args.steps, args.warmup))
     load_before = os.getloadavg()
     peak = matmul_peak_flops("cpu", n=1024, seconds=peak_seconds)

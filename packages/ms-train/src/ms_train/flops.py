@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 if TYPE_CHECKING:
     import torch
 
+    from ms_train.config import ModelConfig
+
 __all__ = [
     "AttentionConvention",
     "FlopsPerToken",
@@ -43,6 +45,7 @@ __all__ = [
     "main",
     "matmul_peak_flops",
     "mfu",
+    "model_flops_per_token",
     "parse_rate",
     "run",
 ]
@@ -169,6 +172,21 @@ def flops_per_token(
         dense=float(_TRAIN_FACTOR * n_layers * dense_layer),
         attention=_TRAIN_FACTOR * n_layers * attention_layer,
         logits=float(_TRAIN_FACTOR * logits),
+    )
+
+
+def model_flops_per_token(
+    model: ModelConfig, *, attention: AttentionConvention = "megatron"
+) -> FlopsPerToken:
+    """:func:`flops_per_token` of a :class:`~ms_train.config.ModelConfig`."""
+    return flops_per_token(
+        n_layers=model.n_layers,
+        d_model=model.d_model,
+        seq_len=model.seq_len,
+        vocab_size=model.vocab_size,
+        d_ff=model.d_ff,
+        window=model.window,
+        attention=attention,
     )
 
 

@@ -49,7 +49,7 @@ from ms_train import report
 from ms_train.config import Config, ConfigError, OptimConfig
 from ms_train.demo import demo_corpus
 from ms_train.engine import DataParallelEngine, make_engine
-from ms_train.flops import flops_per_token, matmul_peak_flops
+from ms_train.flops import matmul_peak_flops, model_flops_per_token
 from ms_train.model import GPT
 from ms_train.schedule import lr_at
 
@@ -218,14 +218,7 @@ class Trainer:
         self.wrapped = self.engine.wrap(self.model)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.checkpointer = Checkpointer(self.checkpoint_dir, keep_last=config.checkpoint.keep_last)
-        self.flops_per_token = flops_per_token(
-            n_layers=m.n_layers,
-            d_model=m.d_model,
-            seq_len=m.seq_len,
-            vocab_size=m.vocab_size,
-            d_ff=m.d_ff,
-            window=m.window,
-        ).total
+        self.flops_per_token = model_flops_per_token(m).total
         self._peak_flops = peak_flops
         self.step = 0
 
