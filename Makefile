@@ -9,7 +9,7 @@ STAMP := $(VENV)/.ms-installed
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-m 'not slow'"`.
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck pytest test-one bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train clean
+.PHONY: run test test-fast lint typecheck pytest test-one bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -38,6 +38,11 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests were selected"; rc=0; fi; exit $$rc
+
+# The fast tier for the development loop: everything but the tests marked slow
+# (multi-process runs, subprocess launches, fresh installs). CI runs them all.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m 'not slow' $(PYTEST_ARGS)
 
 # One package's tests: `make test-one PKG=ms-optim`.
 test-one: $(STAMP)

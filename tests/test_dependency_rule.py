@@ -98,6 +98,7 @@ ISOLATED_IMPORT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_each_leaf_imports_with_every_other_ms_package_refused() -> None:
     procs = {
         leaf: subprocess.Popen(

@@ -59,6 +59,7 @@ def test_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None
     assert "--nproc" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_runs_as_a_module() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "ms_train.cli", "flops", "--preset", "gpt-1b"],

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ms_data import Corpus
 from ms_train.demo import CACHE_ENV, demo_corpus, stdlib_sources
 
@@ -26,6 +28,7 @@ def test_sources_skip_tests_and_site_packages(tmp_path: Path) -> None:
     assert len(real) > 100 and any(p.name == "os.py" for p in real)
 
 
+@pytest.mark.slow
 def test_built_once_by_concurrent_processes_then_reused(tmp_path: Path) -> None:
     env = {**os.environ, CACHE_ENV: str(tmp_path)}
     procs = [

@@ -71,6 +71,7 @@ def _train(config: Config) -> dict[str, Any]:
     return {"dp": s.dp, "accum": s.grad_accum, "losses": s.losses, "end": s.end_step}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_ranks_match_one_process(corpus: Path, tmp_path: Path) -> None:
     """20 steps of the same global batch: DDP over 2 gloo ranks (no accumulation) and one
@@ -234,6 +235,7 @@ class RecordingEngine:
         return nullcontext()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_engine_is_swappable_and_reports_are_written(corpus: Path, tmp_path: Path) -> None:
     config = _config(
@@ -258,6 +260,7 @@ def test_the_engine_is_swappable_and_reports_are_written(corpus: Path, tmp_path:
     assert (out / "ckpt" / "step-00000004").is_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("block", ["parallel", "serial"])
 def test_bf16_autocast_on_cpu(corpus: Path, tmp_path: Path, block: str) -> None:
@@ -296,6 +299,7 @@ class MemoryLoader:
         self.position = state["position"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_given_loader_replaces_the_node_loader(corpus: Path, tmp_path: Path) -> None:
     """The same samples through a loader given to the trainer train exactly the same
@@ -354,6 +358,7 @@ def test_metrics_log_keeps_the_steps_up_to_the_checkpoint(tmp_path: Path) -> Non
     assert read_metrics(path) == []
 
 
+@pytest.mark.slow
 def test_cli_trains_and_a_second_run_reuses_the_checkpoint(
     corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -74,6 +74,7 @@ def test_values_come_back_in_rank_order() -> None:
     assert values == [(0, "0", 6.0), (1, "1", 6.0), (2, "2", 6.0)]
 
 
+@pytest.mark.slow
 def test_tensors_come_back() -> None:
     values = run_ranks(rank_tensor, world_size=2, timeout=60)
     torch.testing.assert_close(values[1], torch.arange(4, dtype=torch.float64) + 1)
@@ -84,6 +85,7 @@ def test_without_process_group() -> None:
     assert values == [(False, "2"), (False, "2")]
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_is_reported_with_its_traceback() -> None:
     report = launch(raise_on_rank, world_size=3, args=(1,), timeout=60)
     assert not report.ok
@@ -97,6 +99,7 @@ def test_a_rank_that_raises_is_reported_with_its_traceback() -> None:
     assert info.value.report is report
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_named_with_its_stack_within_the_deadline() -> None:
     deadline = 12.0
     start = time.monotonic()
@@ -114,6 +117,7 @@ def test_a_hung_rank_is_named_with_its_stack_within_the_deadline() -> None:
     assert "hung: [1]" in message and "rank 1 hung" in message and "hang_here" in message
 
 
+@pytest.mark.slow
 def test_ranks_blocked_in_a_collective_show_the_collective() -> None:
     report = launch(hang_on_rank_others_in_barrier, world_size=3, args=(2,), timeout=10)
     assert report.ranks("hung") == [0, 1, 2]
@@ -122,6 +126,7 @@ def test_ranks_blocked_in_a_collective_show_the_collective() -> None:
         assert "barrier" in (report.outcomes[rank].stack or ""), report.outcomes[rank].stack
 
 
+@pytest.mark.slow
 def test_a_sigkilled_rank_is_reported_and_its_peers_do_not_hold_the_run() -> None:
     deadline = 60.0
     report = launch(sigkill_on_rank, world_size=3, args=(0,), timeout=deadline, grace=3.0)
@@ -143,6 +148,7 @@ def _is_gone(pid: int) -> bool:
     return state in ("Z", "X")  # a zombie no longer runs; PID 1 may reap it late
 
 
+@pytest.mark.slow
 def test_everything_a_hung_rank_started_is_killed(tmp_path: Path) -> None:
     pid_file = tmp_path / "grandchild.pid"
     report = launch(start_grandchild_then_hang, world_size=1, args=(str(pid_file),), timeout=10)
@@ -154,6 +160,7 @@ def test_everything_a_hung_rank_started_is_killed(tmp_path: Path) -> None:
     assert _is_gone(pid), f"grandchild {pid} of the hung rank survived"
 
 
+@pytest.mark.slow
 def test_unpicklable_return_value_is_an_error() -> None:
     report = launch(return_unpicklable, world_size=1, timeout=60)
     assert report.outcomes[0].status == "raised"

@@ -85,6 +85,7 @@ def _read_ranges(path: str, ranges: list[tuple[int, int]], rounds: int) -> None:
             fs.cat_file(path, start, end)
 
 
+@pytest.mark.slow
 def test_reads_in_two_processes_add_up(
     tmp_path: Path, data_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -106,6 +107,7 @@ def test_reads_in_two_processes_add_up(
     }
 
 
+@pytest.mark.slow
 def test_a_fresh_interpreter_finds_the_protocol_through_the_entry_point(
     tmp_path: Path, data_file: Path
 ) -> None:

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 # Triton reads a kernel's source from its file, so the kernel lives in a module.
 KERNEL_MODULE = """
 import triton
@@ -58,6 +60,7 @@ def test_kernels_defined_after_the_call_run_on_cpu(tmp_path: Path) -> None:
     assert "ran InterpretedFunction" in result.stdout
 
 
+@pytest.mark.slow
 def test_refuses_when_a_compiled_kernel_already_exists(tmp_path: Path) -> None:
     result = _run(
         tmp_path,
