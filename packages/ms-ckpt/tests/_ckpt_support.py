@@ -1,19 +1,15 @@
 """Test support shared by the ms-ckpt tests; also a small trainer run as a script.
 
-``FaultyFileSystem`` must be importable by name in the stage-2 writer process (it is
-pickled to it), so it lives in this plain module; the tests put this folder on
-``sys.path``, and the writer inherits the trainer's ``sys.path``.
-
 As a script: ``python _ckpt_support.py train ROOT STEPS SAVE_AT [resume]`` trains a
 tiny model with dropout and prints one JSON line of per-step losses (``float.hex``);
-``python _ckpt_support.py hang ROOT POINT`` commits step 1, then saves step 2 with the
-``MS_CKPT_TEST_PAUSE`` hook set to ``POINT:60``, prints the writer's pid and the host
-buffer's name, and sleeps until killed.
+``python _ckpt_support.py hang ROOT POINT [STEP]`` commits the steps before ``STEP``
+(default 2; none when it is 1), then saves ``STEP`` with stage 2 held at ``POINT`` for
+60 s (``_writer_faults.PauseAt``), prints its own pid, the writer's pid and the host
+buffer's name as one JSON line, and sleeps until killed.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -21,35 +17,9 @@ import time
 from typing import Any
 
 import torch
-from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
+from _writer_faults import PauseAt
 
 from ms_ckpt import Checkpointer, rng_state
-
-
-class _FaultyOpener(LocalFileOpener):  # type: ignore[misc]
-    def __init__(self, *args: Any, flag: str, err: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._flag, self._err = flag, err
-
-    def write(self, data: Any) -> int:
-        if os.path.exists(self._flag):
-            raise OSError(self._err, os.strerror(self._err), self.path)
-        return int(self.f.write(data))
-
-
-class FaultyFileSystem(LocalFileSystem):  # type: ignore[misc]
-    """The local filesystem, except that every write raises ``OSError(err)`` while the
-    file ``flag`` exists: a real error through the real writer's code path."""
-
-    def __init__(self, flag: str, err: int = errno.ENOSPC, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.flag, self.err = flag, err
-
-    def _open(self, path: str, mode: str = "rb", block_size: Any = None, **kwargs: Any) -> Any:
-        path = self._strip_protocol(path)
-        if "w" in mode or "a" in mode:
-            return _FaultyOpener(path, mode, fs=self, flag=self.flag, err=self.err, **kwargs)
-        return super()._open(path, mode, block_size, **kwargs)
 
 
 class Net(torch.nn.Module):
@@ -92,13 +62,14 @@ def big_state() -> dict[str, torch.Tensor]:
     }
 
 
-def hang(root: str, point: str) -> None:
-    ckpt = Checkpointer(root)
+def hang(root: str, point: str, step: int) -> None:
+    ckpt = Checkpointer(root, hook=PauseAt(point, 60, steps=[step]))
     state = big_state()
-    ckpt.save(1, state).wait()
-    os.environ["MS_CKPT_TEST_PAUSE"] = f"{point}:60"
-    ckpt.save(2, state)
-    print(json.dumps({"writer": ckpt.writer_pid, "pool": ckpt._pool.name}), flush=True)
+    for earlier in range(1, step):
+        ckpt.save(earlier, state).wait(timeout=60)
+    ckpt.save(step, state)
+    info = {"trainer": os.getpid(), "writer": ckpt.writer_pid, "pool": ckpt._pool.name}
+    print(json.dumps(info), flush=True)
     time.sleep(60)
 
 
@@ -107,4 +78,4 @@ if __name__ == "__main__":
         resume = len(sys.argv) > 5 and sys.argv[5] == "resume"
         print(json.dumps(train(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), resume)))
     else:
-        hang(sys.argv[2], sys.argv[3])
+        hang(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 2)

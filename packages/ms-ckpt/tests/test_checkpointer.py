@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -16,7 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from ms_ckpt import Checkpointer, CheckpointError, rng_state
+from ms_ckpt import Checkpointer, CheckpointError, CheckpointWriteError, rng_state
+
+HERE = Path(__file__).parent
+if str(HERE) not in sys.path:  # the writer process imports the hooks by module name
+    sys.path.insert(0, str(HERE))
+from _writer_faults import PauseAt, RecordModules  # noqa: E402
+
+DEADLINE = 60.0  # for every wait on a save
 
 
 class Counter:
@@ -83,7 +91,7 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["counter"].state_dict() == b["counter"].state_dict()
 
 
-@pytest.mark.parametrize("scheme", ["file", "memory"])
+@pytest.mark.parametrize("scheme", [pytest.param("file", marks=pytest.mark.slow), "memory"])
 def test_round_trip(tmp_path: Path, scheme: str) -> None:
     url = f"file://{tmp_path}/ck" if scheme == "file" else f"memory://ck-{uuid.uuid4().hex}"
     saved = make_state(0)
@@ -91,7 +99,7 @@ def test_round_trip(tmp_path: Path, scheme: str) -> None:
     with Checkpointer(url) as ckpt:
         assert ckpt.stage2 == ("process" if scheme == "file" else "inline")
         handle = ckpt.save(100, saved)
-        handle.wait()
+        handle.wait(timeout=DEADLINE)
         assert handle.done() and not handle.skipped
         # What every RNG gives right after the save; load must bring these back.
         expected = (torch.rand(5), np.random.rand(3), random.random())
@@ -115,7 +123,7 @@ def test_round_trip(tmp_path: Path, scheme: str) -> None:
 def test_uncompressed_round_trip(tmp_path: Path) -> None:
     saved = make_state(0)
     with Checkpointer(str(tmp_path), compression="none") as ckpt:
-        ckpt.save(1, saved).wait()
+        ckpt.save(1, saved).wait(timeout=DEADLINE)
         fresh = make_state(1)
         ckpt.load(fresh)
     assert_same(saved, fresh)
@@ -123,63 +131,56 @@ def test_uncompressed_round_trip(tmp_path: Path) -> None:
     assert all(r["length"] == r["raw_length"] for r in manifest["records"])
 
 
-def test_tensor_changed_after_save_returns_is_not_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_tensor_changed_after_save_returns_is_not_written(tmp_path: Path) -> None:
     w = torch.arange(10_000, dtype=torch.float32)
     model = torch.nn.Linear(4, 4)
     before = model.weight.detach().clone()
     # The writer waits 0.5 s before reading the host buffer: the edits below land first.
-    monkeypatch.setenv("MS_CKPT_TEST_PAUSE", "stage2:0.5")
-    with Checkpointer(str(tmp_path)) as ckpt:
+    with Checkpointer(str(tmp_path), hook=PauseAt("stage2", 0.5)) as ckpt:
         handle = ckpt.save(1, {"w": w, "model": model})
         w.add_(1)
         with torch.no_grad():
             model.weight.zero_()
         assert not handle.done()
-        handle.wait()
+        handle.wait(timeout=DEADLINE)
         got = {"w": torch.zeros(10_000), "model": torch.nn.Linear(4, 4)}
         ckpt.load(got)
     assert torch.equal(got["w"], torch.arange(10_000, dtype=torch.float32))
     assert torch.equal(got["model"].weight, before)
 
 
-def test_skip_policy_returns_skipped_handle(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("MS_CKPT_TEST_PAUSE", "stage2:1")
+@pytest.mark.slow  # holds stage 2 for 0.5-1 s on purpose
+def test_skip_policy_returns_skipped_handle(tmp_path: Path) -> None:
     state = {"w": torch.ones(3)}
-    with Checkpointer(str(tmp_path), policy="skip") as ckpt:
+    hook = PauseAt("stage2", 1, steps=[1])
+    with Checkpointer(str(tmp_path), policy="skip", hook=hook) as ckpt:
         first = ckpt.save(1, state)
         second = ckpt.save(2, state)
         assert second.skipped and second.done() and not first.done()
-        second.wait()  # a skipped save has nothing to wait for
-        first.wait()
-        monkeypatch.delenv("MS_CKPT_TEST_PAUSE")
+        second.wait(timeout=0)  # a skipped save has nothing to wait for
+        first.wait(timeout=DEADLINE)
         third = ckpt.save(3, state)
         assert not third.skipped
-        third.wait()
+        third.wait(timeout=DEADLINE)
         fourth = ckpt.save(4, state)
         deadline = time.monotonic() + 60
         while not ckpt._conn.poll(0.05):  # the writer has answered; nobody collected it
             assert time.monotonic() < deadline, "the writer did not answer"
         fifth = ckpt.save(5, state)  # the writer is idle: not skipped
         assert not fifth.skipped and fourth.done()
-        fifth.wait()
+        fifth.wait(timeout=DEADLINE)
         assert ckpt.steps() == {1: True, 3: True, 4: True, 5: True}
 
 
-def test_wait_policy_waits_for_the_save_in_flight(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("MS_CKPT_TEST_PAUSE", "stage2:0.5")
+@pytest.mark.slow  # holds stage 2 for 0.5-1 s on purpose
+def test_wait_policy_waits_for_the_save_in_flight(tmp_path: Path) -> None:
     w = torch.zeros(3)
-    with Checkpointer(str(tmp_path)) as ckpt:
+    with Checkpointer(str(tmp_path), hook=PauseAt("stage2", 0.5)) as ckpt:
         first = ckpt.save(1, {"w": w})
         w.fill_(2)
         second = ckpt.save(2, {"w": w})  # blocks until step 1 is committed
         assert first.done() and not second.skipped
-        second.wait()
+        second.wait(timeout=DEADLINE)
         got = {"w": torch.empty(3)}
         assert ckpt.load(got, step=1) == 1 and torch.equal(got["w"], torch.zeros(3))
         assert ckpt.load(got) == 2 and torch.equal(got["w"], torch.full((3,), 2.0))
@@ -189,11 +190,11 @@ def test_keep_last_keeps_newest_and_cleans_old_partials(tmp_path: Path) -> None:
     state = {"w": torch.ones(3)}
     with Checkpointer(str(tmp_path), keep_last=2) as ckpt:
         for step in (1, 2, 3):
-            ckpt.save(step, state).wait()
+            ckpt.save(step, state).wait(timeout=DEADLINE)
         assert ckpt.steps() == {2: True, 3: True}
         (tmp_path / "step-00000001").mkdir()  # partials left by crashes
         (tmp_path / "step-00000009").mkdir()
-        ckpt.save(4, state).wait()
+        ckpt.save(4, state).wait(timeout=DEADLINE)
         # Step 1's partial is older than the newest commit: cleaned. Step 9 may be a
         # save still in flight elsewhere: kept.
         assert ckpt.steps() == {3: True, 4: True, 9: False}
@@ -204,7 +205,7 @@ def test_load_refuses_mismatched_state(tmp_path: Path) -> None:
     with Checkpointer(str(tmp_path)) as ckpt:
         with pytest.raises(CheckpointError, match="no committed checkpoint"):
             ckpt.load({"w": torch.ones(3)})
-        ckpt.save(5, {"w": torch.ones(3), "model": torch.nn.Linear(3, 2)}).wait()
+        ckpt.save(5, {"w": torch.ones(3), "model": torch.nn.Linear(3, 2)}).wait(timeout=DEADLINE)
         with pytest.raises(CheckpointError, match=r"state\['w'\].*float32 \(3,\).*float64"):
             ckpt.load({"w": torch.ones(3, dtype=torch.float64), "model": torch.nn.Linear(3, 2)})
         with pytest.raises(CheckpointError, match=r"state\['model/weight'\].*\(2, 3\).*\(4, 3\)"):
@@ -234,12 +235,93 @@ def test_pool_grows_and_latest_never_moves_back(tmp_path: Path) -> None:
     small = {"w": torch.arange(10.0)}
     big = {"w": torch.arange(300_000.0)}  # needs a larger host segment: the writer remaps
     with Checkpointer(str(tmp_path)) as ckpt:
-        ckpt.save(5, small).wait()
+        ckpt.save(5, small).wait(timeout=DEADLINE)
         first_pool = ckpt._pool.name
-        ckpt.save(3, big).wait()  # re-saving an older step must not move 'latest' back
+        # Re-saving an older step must not move 'latest' back.
+        ckpt.save(3, big).wait(timeout=DEADLINE)
         assert ckpt._pool.name != first_pool
         assert (tmp_path / "latest").read_text().strip() == "step-00000005"
         got = {"w": torch.empty(300_000)}
         assert ckpt.load(got, step=3) == 3 and torch.equal(got["w"], big["w"])
         got = {"w": torch.empty(10)}
         assert ckpt.load(got) == 5 and torch.equal(got["w"], small["w"])
+
+
+def test_latest_step_is_the_newest_committed_step_or_none(tmp_path: Path) -> None:
+    with Checkpointer(str(tmp_path), stage2="inline") as ckpt:
+        assert ckpt.latest_step() is None
+        (tmp_path / "step-00000007").mkdir()  # a partial step: a save that crashed
+        assert ckpt.steps() == {7: False} and ckpt.latest_step() is None
+        ckpt.save(3, {"w": torch.ones(3)}).wait(timeout=DEADLINE)
+        ckpt.save(5, {"w": torch.ones(3)}).wait(timeout=DEADLINE)
+        assert ckpt.latest_step() == 5  # the partial step 7 is newer, but not committed
+        got = {"w": torch.zeros(3)}
+        assert ckpt.load(got) == ckpt.latest_step()
+
+
+def test_hook_sees_every_point_in_order_before_the_commit(tmp_path: Path) -> None:
+    seen: list[tuple[str, int, bool]] = []
+    manifest = tmp_path / "step-00000004" / "manifest.json"
+
+    def hook(point: str, step: int) -> None:
+        seen.append((point, step, manifest.exists()))
+        if point == "manifest":  # durable under its temporary name, not yet renamed
+            (tmp,) = manifest.parent.glob("manifest.json.tmp-*")
+            assert json.loads(tmp.read_text())["step"] == 4
+
+    state = {"a": torch.ones(3), "b": torch.zeros(2), "c": torch.ones(1)}
+    with Checkpointer(str(tmp_path), stage2="inline", hook=hook) as ckpt:
+        ckpt.save(4, state).wait(timeout=DEADLINE)
+    assert seen == [("stage2", 4, False)] + [("record", 4, False)] * 3 + [("manifest", 4, False)]
+    assert manifest.exists()
+
+
+def test_a_failing_hook_fails_the_save_and_the_next_one_works(tmp_path: Path) -> None:
+    def hook(point: str, step: int) -> None:
+        if point == "manifest" and step == 1:
+            raise RuntimeError("injected before the commit")
+
+    with Checkpointer(str(tmp_path), stage2="inline", hook=hook) as ckpt:
+        with pytest.raises(CheckpointWriteError, match="injected before the commit"):
+            ckpt.save(1, {"w": torch.ones(3)}).wait(timeout=DEADLINE)
+        assert ckpt.steps() == {} and ckpt.latest_step() is None
+        ckpt.save(2, {"w": torch.ones(3)}).wait(timeout=DEADLINE)
+        assert ckpt.latest_step() == 2
+
+
+def test_hook_must_be_callable_and_pickle_for_a_writer_process(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="hook must be callable as hook\\(point, step\\), got 3"):
+        Checkpointer(str(tmp_path), hook=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="hook must pickle, since it runs in the writer process"):
+        Checkpointer(str(tmp_path), hook=lambda point, step: None)
+    Checkpointer(str(tmp_path), stage2="inline", hook=lambda point, step: None).finalize()
+
+
+def test_writer_process_imports_no_torch(tmp_path: Path) -> None:
+    report = tmp_path / "writer-modules.json"
+    with Checkpointer(str(tmp_path / "ck"), hook=RecordModules(str(report))) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)}).wait(timeout=DEADLINE)
+        writer = ckpt.writer_pid
+    got = json.loads(report.read_text())
+    assert got["pid"] == writer  # it ran in the writer, not here
+    assert got["torch_modules"] == []
+
+
+@pytest.mark.gpu
+def test_stage1_waits_for_the_current_stream_only(tmp_path: Path) -> None:
+    """A kernel on another stream still runs when ``save()`` returns; the state made on
+    the current stream is what gets written."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles, off the state's path
+        side_done = torch.cuda.Event()
+        side_done.record()
+    w = torch.arange(1 << 20, device="cuda", dtype=torch.float32).mul_(3)  # current stream
+    with Checkpointer(str(tmp_path)) as ckpt:
+        handle = ckpt.save(1, {"w": w})
+        assert not side_done.query()  # a global synchronize would have waited for it
+        handle.wait(timeout=DEADLINE)
+        got = {"w": torch.zeros(1 << 20)}
+        ckpt.load(got)
+    side_done.synchronize()
+    assert torch.equal(got["w"], torch.arange(1 << 20, dtype=torch.float32) * 3)

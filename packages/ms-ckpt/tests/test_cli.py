@@ -66,9 +66,9 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]
     root = tmp_path_factory.mktemp("ckpt")
     state = make_state()
     with Checkpointer(str(root), stage2="inline") as ck:
-        ck.save(1, state).wait()
+        ck.save(1, state).wait(timeout=60)
         expected = as_stored(state)  # nothing random runs between this and the save
-        ck.save(2, state).wait()
+        ck.save(2, state).wait(timeout=60)
     partial = root / STEP_DIR.format(3)
     partial.mkdir()
     (partial / "rank-00000.bin").write_bytes(b"\x28\xb5\x2f\xfd" * 10)
@@ -100,18 +100,19 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
 
 
 def test_ls_lists_committed_partial_sizes_records_latest(
-    ckpt: tuple[Path, dict[str, Any]],
+    ckpt: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     root, _ = ckpt
-    proc = ms_ckpt("ls", root)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    code = main(["ls", str(root)])  # in-process: the other tests run the real command
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.splitlines()
     assert lines[0].split() == ["STEP", "STATE", "BYTES", "RECORDS"]
     rows = {int(line.split()[0]): line.split()[1:] for line in lines[1:]}
     assert sorted(rows) == [1, 2, 3]
     for step in (1, 2, 3):
         size = sum(f.stat().st_size for f in (root / STEP_DIR.format(step)).iterdir())
-        assert rows[step][1] == str(size), (step, proc.stdout)
+        assert rows[step][1] == str(size), (step, out.out)
     for step in (1, 2):
         n = len(manifest(root, step)["records"])
         assert rows[step][0] == "committed" and rows[step][2] == str(n)
@@ -119,6 +120,7 @@ def test_ls_lists_committed_partial_sizes_records_latest(
     assert rows[3] == ["partial", "40", "-"]
 
 
+@pytest.mark.slow  # runs the command in a fresh interpreter (a torch import)
 def test_inspect_reports_manifest_and_verifies_every_record(
     ckpt: tuple[Path, dict[str, Any]],
 ) -> None:
@@ -141,6 +143,7 @@ def test_inspect_reports_manifest_and_verifies_every_record(
     assert older.returncode == 0 and "step 1" in older.stdout
 
 
+@pytest.mark.slow  # runs the command in a fresh interpreter (a torch import)
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_inspect_names_damaged_file_and_key(
     ckpt: tuple[Path, dict[str, Any]], tmp_path: Path, damage: str
@@ -166,6 +169,7 @@ def test_inspect_names_damaged_file_and_key(
     assert "damaged" in proc.stderr
 
 
+@pytest.mark.slow  # runs the command in a fresh interpreter (a torch import)
 def test_inspect_damaged_manifest(ckpt: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     shutil.copytree(ckpt[0], root)
@@ -178,6 +182,7 @@ def test_inspect_damaged_manifest(ckpt: tuple[Path, dict[str, Any]], tmp_path: P
     assert str(path) in proc.stdout
 
 
+@pytest.mark.slow  # runs the command in a fresh interpreter (a torch import)
 def test_usage_errors_exit_2_with_a_message(
     ckpt: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -203,6 +208,7 @@ def test_usage_errors_exit_2_with_a_message(
     assert exc.value.code == 2 and "OUT" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # runs the command in a fresh interpreter (a torch import)
 def test_convert_to_torch_save(ckpt: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     root, expected = ckpt
     out = tmp_path / "state.pt"
@@ -216,6 +222,7 @@ def test_convert_to_torch_save(ckpt: tuple[Path, dict[str, Any]], tmp_path: Path
     model.load_state_dict(loaded["model"])
 
 
+@pytest.mark.slow  # runs the command in a fresh interpreter (a torch import)
 def test_convert_to_dcp_loads_into_a_plain_state_dict(
     ckpt: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -242,6 +249,7 @@ def test_convert_to_dcp_loads_into_a_plain_state_dict(
     assert_same(target, expected)
 
 
+@pytest.mark.slow  # runs the command in a fresh interpreter (a torch import)
 def test_console_script_is_installed() -> None:
     script = Path(sys.executable).with_name("ms-ckpt")
     proc = subprocess.run(

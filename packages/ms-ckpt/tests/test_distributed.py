@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,14 @@ from ms_ckpt import (
 )
 from ms_testing import run_ranks
 from ms_testing.fs import COUNTER_ENV, read_counts, reset_counts
+
+HERE = Path(__file__).parent
+if str(HERE) not in sys.path:  # the writer processes import the hooks by module name
+    sys.path.insert(0, str(HERE))
+from _writer_faults import PauseAt  # noqa: E402
+
+DEADLINE = 60.0  # for every wait on a save
+pytestmark = pytest.mark.slow  # every test starts 2 or 4 ranks, each with a writer
 
 G = 10  # rows of the DP-sharded tensor: not a multiple of 4, so slices are uneven
 
@@ -128,7 +138,7 @@ def rank_round_trip(root: str, counter: str, parts: int) -> dict[str, Any]:
     url = f"counting://{root}"
     with Checkpointer(url, dp_group=dp_group, commit_timeout=60) as ckpt:
         saved = make_state(1, part, dp_rank, dp_size, rank)
-        ckpt.save(1, saved).wait()
+        ckpt.save(1, saved).wait(timeout=DEADLINE)
         before = snapshot(saved)
     dist.barrier()  # step 1 committed on rank 0 before anyone loads
 
@@ -204,9 +214,9 @@ def rank_reshard(root: str, save_world: int) -> Any:
         with Checkpointer(root) as ckpt:
             state = make_state(3, 0, rank, world, rank)
             del state["mine"], state["rng"]  # per-rank values cannot reshard
-            ckpt.save(5, state).wait()
+            ckpt.save(5, state).wait(timeout=DEADLINE)
             state["mine"] = per_rank(torch.zeros(1))
-            ckpt.save(6, state).wait()
+            ckpt.save(6, state).wait(timeout=DEADLINE)
         return None
     with Checkpointer(root) as ckpt:
         fresh = make_state(4, 0, rank, world, rank)
@@ -269,7 +279,8 @@ def rank_save_parts(root: str) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))  # parts {0,1} {2,3}
     part = dist.get_rank() // 2
     with Checkpointer(root, mesh=mesh, dp_dim="dp") as ckpt:
-        ckpt.save(1, {"bf16": torch.full((5, 4), float(part), dtype=torch.bfloat16)}).wait()
+        state = {"bf16": torch.full((5, 4), float(part), dtype=torch.bfloat16)}
+        ckpt.save(1, state).wait(timeout=DEADLINE)
 
 
 def test_load_refuses_a_changed_model_parallel_layout(tmp_path: Path) -> None:
@@ -293,31 +304,27 @@ def test_load_refuses_a_changed_model_parallel_layout(tmp_path: Path) -> None:
 def rank_faults(root: str) -> dict[str, Any]:
     rank = dist.get_rank()
     out: dict[str, Any] = {}
-    with Checkpointer(root, commit_timeout=60) as ckpt:
+    # Rank 1's writer is held at step 3's first record, so that it is killed mid-shard.
+    hold = PauseAt("record", 30, steps=[3]) if rank == 1 else None
+    with Checkpointer(root, commit_timeout=60, hook=hold) as ckpt:
         state = {"a": torch.full((64,), float(rank == 0)), "b": torch.arange(100.0), "step": 1}
-        ckpt.save(1, state).wait()
+        ckpt.save(1, state).wait(timeout=DEADLINE)
         # Ranks disagree on the structure of replicated state: the save fails, named.
         bad = dict(state, extra=1) if rank == 1 else state
         handle = ckpt.save(2, bad)
         try:
-            handle.wait()
+            handle.wait(timeout=DEADLINE)
             out["structure"] = None
         except CheckpointWriteError as e:
             out["structure"] = str(e)
         dist.barrier()
         # A writer that dies on rank 1: its trainer reports it, rank 0 fails the step
         # at once instead of waiting for commit_timeout.
-        if rank == 1:
-            os.environ["MS_CKPT_TEST_PAUSE"] = "record:30"
         handle = ckpt.save(3, state)
         if rank == 1:
-            import signal
-            import time
-
             time.sleep(0.5)
             assert ckpt.writer_pid is not None
             os.kill(ckpt.writer_pid, signal.SIGKILL)
-            del os.environ["MS_CKPT_TEST_PAUSE"]
         try:
             handle.wait(timeout=45)
             out["killed"] = None
@@ -336,14 +343,12 @@ def rank_faults(root: str) -> dict[str, Any]:
             out["stage1"] = str(info.value)
         dist.barrier()
         state["step"] = 4
-        ckpt.save(4, state).wait()  # the next save works
+        ckpt.save(4, state).wait(timeout=DEADLINE)  # the next save works
         dist.barrier()
     # A rank whose writer is slow past commit_timeout: rank 0 gives up on the step.
-    with Checkpointer(root, commit_timeout=1.0) as quick:
-        if rank == 1:
-            os.environ["MS_CKPT_TEST_PAUSE"] = "stage2:4"
+    slow = PauseAt("stage2", 4) if rank == 1 else None
+    with Checkpointer(root, commit_timeout=1.0, hook=slow) as quick:
         handle = quick.save(5, state)
-        os.environ.pop("MS_CKPT_TEST_PAUSE", None)
         try:
             handle.wait(timeout=45)
             out["timeout"] = None
@@ -384,9 +389,9 @@ def rank_corrupt(root: str, phase: str) -> Any:
     state = {f"t{i}": torch.full((256,), float(i)) for i in range(6)}
     with Checkpointer(root, stage2="inline") as ckpt:
         if phase == "save":
-            ckpt.save(1, state).wait()
+            ckpt.save(1, state).wait(timeout=DEADLINE)
             state["t0"] += 1
-            ckpt.save(2, state).wait()
+            ckpt.save(2, state).wait(timeout=DEADLINE)
             return None
         fresh = {k: torch.zeros_like(v) for k, v in state.items()}
         with pytest.raises(CheckpointCorruptError) as info:

@@ -1,18 +1,22 @@
 """Fault injection on real processes and real files. Each fault must leave the previous
 committed checkpoint loadable, ``latest`` on it, and the next save working.
 
-The stage-2 test hook ``MS_CKPT_TEST_PAUSE`` (checkpointer.py) holds the writer at a
-named point so that a kill lands there. Every subprocess runs under a deadline.
+A stage-2 hook (``_writer_faults.PauseAt``, passed as ``Checkpointer(hook=...)``) holds
+the writer at a named point so that a kill lands there. Every subprocess, read and wait
+runs under a deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,14 +24,16 @@ from typing import Any
 import pytest
 import torch
 
-from ms_ckpt import CheckpointCorruptError, Checkpointer, CheckpointWriteError
+from ms_ckpt import CheckpointCorruptError, Checkpointer, CheckpointError, CheckpointWriteError
 
 HERE = Path(__file__).parent
-if str(HERE) not in sys.path:  # the writer process imports FaultyFileSystem by name
+if str(HERE) not in sys.path:  # the writer process imports the hooks and FaultyFileSystem
     sys.path.insert(0, str(HERE))
-from _ckpt_support import FaultyFileSystem, big_state  # noqa: E402
+from _ckpt_support import big_state  # noqa: E402
+from _writer_faults import FaultyFileSystem, PauseAt  # noqa: E402
 
 DEADLINE = 60.0
+SHM = Path("/dev/shm")
 
 
 def wait_for(cond: Any, what: str, timeout: float = DEADLINE) -> None:
@@ -46,6 +52,12 @@ def pid_gone(pid: int) -> bool:
         return True
 
 
+def segments_of(*pids: int) -> set[str]:
+    """The ms-ckpt host buffers in /dev/shm whose name says one of ``pids`` made them
+    (``ms_ckpt_<pid namespace>_<pid>_<start time>_<random>``)."""
+    return {p.name for p in SHM.glob("ms_ckpt_*") if p.name.split("_")[3] in map(str, pids)}
+
+
 def latest(root: Path) -> str:
     return (root / "latest").read_text().strip()
 
@@ -58,11 +70,11 @@ def assert_loads_step(root: Path, step: int, **kw: Any) -> None:
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_sigkill_writer_mid_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sigkill_writer_mid_shard(tmp_path: Path) -> None:
     state = big_state()
-    with Checkpointer(str(tmp_path), keep_last=3) as ckpt:
-        ckpt.save(1, state).wait()
-        monkeypatch.setenv("MS_CKPT_TEST_PAUSE", "record:0.3")
+    hook = PauseAt("record", 0.3, steps=[2])
+    with Checkpointer(str(tmp_path), keep_last=3, hook=hook) as ckpt:
+        ckpt.save(1, state).wait(timeout=DEADLINE)
         handle = ckpt.save(2, state)
         shard = tmp_path / "step-00000002" / "rank-00000.bin"
         wait_for(lambda: shard.exists() and shard.stat().st_size > 0, "the first record")
@@ -74,35 +86,56 @@ def test_sigkill_writer_mid_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert e.value.step == 2
         assert ckpt.steps() == {1: True, 2: False} and latest(tmp_path) == "step-00000001"
         assert_loads_step(tmp_path, 1)
-        monkeypatch.delenv("MS_CKPT_TEST_PAUSE")
-        ckpt.save(3, state).wait()  # a new writer process; step 2's partial is cleaned
+        ckpt.save(3, state).wait(timeout=DEADLINE)  # a new writer; step 2's partial is cleaned
         assert ckpt.writer_pid != pid
         assert ckpt.steps() == {1: True, 3: True} and latest(tmp_path) == "step-00000003"
     assert_loads_step(tmp_path, 3)
 
 
-def run_hanging_trainer(root: Path, point: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+def run_hanging_trainer(
+    root: Path, point: str, step: int = 2
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """A trainer (in a session of its own, so that its whole process tree can be killed)
+    that saves ``step`` with stage 2 held at ``point``."""
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "_ckpt_support.py"), "hang", str(root), point],
+        [sys.executable, str(HERE / "_ckpt_support.py"), "hang", str(root), point, str(step)],
         stdout=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
+    lines: queue.Queue[str] = queue.Queue()
     assert proc.stdout is not None
-    line = proc.stdout.readline()  # the trainer prints once stage 1 of step 2 returned
+    stdout = proc.stdout
+    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=DEADLINE)  # printed once stage 1 of the step returned
+    except queue.Empty:
+        line = ""
     if not line:
-        proc.kill()
-        proc.wait(DEADLINE)
-        pytest.fail(f"trainer exited with {proc.wait(DEADLINE)} before saving")
+        kill_tree(proc)
+        pytest.fail(f"the trainer printed nothing within {DEADLINE} s (exit {proc.returncode})")
     return proc, json.loads(line)
 
 
 def kill(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the trainer alone: its writer and resource tracker live on."""
     proc.kill()
     proc.wait(DEADLINE)
     if proc.stdout is not None:
         proc.stdout.close()
 
 
+def kill_tree(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the trainer's whole process tree at once (trainer, writer, resource
+    tracker), as a job scheduler ending a job does: nobody is left to clean up."""
+    with contextlib.suppress(ProcessLookupError):  # already gone, with its whole group
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(DEADLINE)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+@pytest.mark.slow  # a trainer in a fresh interpreter, killed
 def test_kill_trainer_between_stage1_and_stage2(tmp_path: Path) -> None:
     proc, info = run_hanging_trainer(tmp_path, "stage2")
     try:
@@ -110,7 +143,7 @@ def test_kill_trainer_between_stage1_and_stage2(tmp_path: Path) -> None:
         # The orphaned writer notices and stops without committing; the trainer's
         # resource tracker removes the host buffer.
         wait_for(lambda: pid_gone(info["writer"]), "the orphaned writer to exit", 20)
-        wait_for(lambda: not Path("/dev/shm", info["pool"]).exists(), "the segment", 20)
+        wait_for(lambda: not (SHM / info["pool"]).exists(), "the segment", 20)
     finally:
         if not pid_gone(info["writer"]):
             os.kill(info["writer"], signal.SIGKILL)
@@ -118,30 +151,56 @@ def test_kill_trainer_between_stage1_and_stage2(tmp_path: Path) -> None:
     assert latest(tmp_path) == "step-00000001"
     assert_loads_step(tmp_path, 1)
     with Checkpointer(str(tmp_path)) as ckpt:
-        ckpt.save(2, big_state()).wait()
+        ckpt.save(2, big_state()).wait(timeout=DEADLINE)
     assert_loads_step(tmp_path, 2)
 
 
-def test_kill_during_manifest_write(tmp_path: Path) -> None:
+@pytest.mark.slow  # a trainer in a fresh interpreter, killed
+def test_kill_process_tree_during_manifest_write(tmp_path: Path) -> None:
     proc, info = run_hanging_trainer(tmp_path, "manifest")
     step_dir = tmp_path / "step-00000002"
     try:
         wait_for(lambda: any(step_dir.glob("manifest.json.tmp-*")), "the temporary manifest")
-        os.kill(info["writer"], signal.SIGKILL)
-        kill(proc)
     finally:
-        if not pid_gone(info["writer"]):
-            os.kill(info["writer"], signal.SIGKILL)
+        kill_tree(proc)
+    wait_for(lambda: pid_gone(info["writer"]), "the writer to die", 20)
     (tmp,) = step_dir.glob("manifest.json.tmp-*")
-    assert tmp.stat().st_size > 0  # half a manifest on disk, never renamed
+    assert tmp.stat().st_size > 0  # a manifest on disk, never renamed: not committed
     assert not (step_dir / "manifest.json").exists()
     assert latest(tmp_path) == "step-00000001"
+    # Nobody survived to unlink the host buffer.
+    assert segments_of(info["trainer"]) == {info["pool"]}
     assert_loads_step(tmp_path, 1)
     with Checkpointer(str(tmp_path)) as ckpt:
         assert ckpt.steps() == {1: True, 2: False}
-        ckpt.save(2, big_state()).wait()
+        ckpt.save(2, big_state()).wait(timeout=DEADLINE)  # sweeps the dead trainer's buffer
         assert not any(step_dir.glob("manifest.json.tmp-*"))
     assert_loads_step(tmp_path, 2)
+    # The save swept the dead trainer's buffer; the finalize removed its own.
+    assert segments_of(info["trainer"], os.getpid()) == set()
+
+
+@pytest.mark.slow  # a trainer in a fresh interpreter, killed
+def test_crash_during_first_save_then_the_readme_resume_line(tmp_path: Path) -> None:
+    """The README's resume line after a crash that left only a partial step."""
+    proc, info = run_hanging_trainer(tmp_path, "record", step=1)
+    shard = tmp_path / "step-00000001" / "rank-00000.bin"
+    try:
+        wait_for(shard.exists, "the first shard")
+    finally:
+        kill_tree(proc)
+    wait_for(lambda: pid_gone(info["writer"]), "the writer to die", 20)
+    state = {f"t{i}": torch.zeros(64, 64) for i in range(12)}
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.steps() == {1: False} and ckpt.latest_step() is None
+        with pytest.raises(CheckpointError, match="no committed checkpoint"):
+            ckpt.load(state)  # what the README's line did when it asked steps()
+        start = ckpt.load(state) if ckpt.latest_step() is not None else 0
+        assert start == 0
+        ckpt.save(1, big_state()).wait(timeout=DEADLINE)  # the crashed step, again
+        assert ckpt.latest_step() == 1
+        start = ckpt.load(state) if ckpt.latest_step() is not None else 0
+    assert start == 1 and all(torch.equal(state[k], v) for k, v in big_state().items())
 
 
 def record(root: Path, step: int, key: str) -> dict[str, Any]:
@@ -153,8 +212,8 @@ def record(root: Path, step: int, key: str) -> dict[str, Any]:
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_damaged_shard_names_file_and_key(tmp_path: Path, damage: str) -> None:
     with Checkpointer(str(tmp_path), stage2="inline") as ckpt:
-        ckpt.save(1, big_state()).wait()
-        ckpt.save(2, big_state()).wait()
+        ckpt.save(1, big_state()).wait(timeout=DEADLINE)
+        ckpt.save(2, big_state()).wait(timeout=DEADLINE)
     shard = tmp_path / "step-00000002" / "rank-00000.bin"
     rec = record(tmp_path, 2, "t5")
     data = bytearray(shard.read_bytes())
@@ -173,15 +232,15 @@ def test_damaged_shard_names_file_and_key(tmp_path: Path, damage: str) -> None:
         assert all(torch.equal(t, torch.full((64, 64), -1.0)) for t in got.values())
         with pytest.warns(UserWarning, match="falling back to step 1"):
             assert ckpt.load(got, fallback=True) == 1
-        ckpt.save(3, big_state()).wait()
+        ckpt.save(3, big_state()).wait(timeout=DEADLINE)
     assert_loads_step(tmp_path, 3)
 
 
 @pytest.mark.parametrize("damage", ["garbage", "edited"])
 def test_corrupted_manifest(tmp_path: Path, damage: str) -> None:
     with Checkpointer(str(tmp_path), stage2="inline") as ckpt:
-        ckpt.save(1, big_state()).wait()
-        ckpt.save(2, big_state()).wait()
+        ckpt.save(1, big_state()).wait(timeout=DEADLINE)
+        ckpt.save(2, big_state()).wait(timeout=DEADLINE)
     path = tmp_path / "step-00000002" / "manifest.json"
     if damage == "garbage":
         path.write_bytes(b"\x00{not json")
@@ -218,11 +277,11 @@ def test_write_error_is_clear_and_training_continues(tmp_path: Path, err: int) -
             flag.unlink()
 
     with Checkpointer(str(root), fs=fs, keep_last=1) as ckpt:
-        ckpt.save(1, state).wait()
+        ckpt.save(1, state).wait(timeout=DEADLINE)
         fail(True)
         handle = ckpt.save(2, state)
         with pytest.raises(CheckpointWriteError, match=os.strerror(err)) as e:
-            handle.wait()
+            handle.wait(timeout=DEADLINE)
         assert e.value.errno == err and e.value.step == 2
         assert "'latest' and the committed checkpoints are untouched" in str(e.value)
         assert latest(root) == "step-00000001" and ckpt.steps() == {1: True}
@@ -232,5 +291,5 @@ def test_write_error_is_clear_and_training_continues(tmp_path: Path, err: int) -
         fail(False)
         with pytest.raises(CheckpointWriteError, match="saving step 3 failed"):
             ckpt.save(4, state)
-        ckpt.save(4, state).wait()
+        ckpt.save(4, state).wait(timeout=DEADLINE)
         assert latest(root) == "step-00000004" and ckpt.steps() == {4: True}

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SUPPORT = Path(__file__).parent / "_ckpt_support.py"
+pytestmark = pytest.mark.slow  # two training runs, each in a fresh interpreter
 
 
 def train(root: Path, *extra: str) -> list[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -74,38 +73,26 @@ def always() -> bool:
     return True
 
 
-def pause(hooks: dict[str, float], point: str, alive: Callable[[], bool] = always) -> None:
-    """Test hook: sleep at a named point of stage 2 (see ``MS_CKPT_TEST_PAUSE``), ending
-    early when the trainer dies."""
-    deadline = time.monotonic() + hooks.get(point, 0.0)
-    while time.monotonic() < deadline and alive():
-        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-
-
 def commit_file(
-    fs: Any,
-    path: str,
-    data: bytes,
-    hooks: dict[str, float] | None = None,
-    alive: Callable[[], bool] = always,
+    fs: Any, path: str, data: bytes, before_commit: Callable[[], None] | None = None
 ) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or all of the new one."""
+    """Write ``data`` to ``path`` so that readers see the old file or all of the new one.
+
+    ``before_commit`` runs once the new bytes are durable but not yet visible under
+    ``path`` (it may raise to abandon the commit).
+    """
     if not is_local(fs):
+        if before_commit is not None:
+            before_commit()
         fs.pipe_file(path, data)
         return
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with fs.open(tmp, "wb") as f:
-        # Written in two halves with the "manifest" test hook between them, so that a
-        # kill during the manifest write leaves a truncated temporary file behind.
-        half = len(data) // 2
-        f.write(data[:half])
-        f.flush()
-        pause(hooks or {}, "manifest", alive)
-        if not alive():
-            raise ParentGone
-        f.write(data[half:])
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if before_commit is not None:
+        before_commit()
     fs.mv(tmp, path)
     _fsync_dir(os.path.dirname(fs._strip_protocol(path)))
 

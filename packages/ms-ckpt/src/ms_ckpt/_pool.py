@@ -5,6 +5,9 @@ pages by the segment's name, so no byte goes through a pipe. The segment grows (
 quarter more than asked, to avoid regrowing on small changes) only between saves, when
 no writer reads it. When the state holds CUDA tensors the segment is page-locked with
 ``cudaHostRegister`` once, so device-to-host copies run at full PCIe speed.
+
+Segments are named after their owner (``_shm``); before creating one, segments left by
+dead owners (a SIGKILLed process tree) are unlinked.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 from multiprocessing import shared_memory
 
 import torch
+
+from ms_ckpt._shm import segment_name, sweep_stale
 
 ALIGN = 64  # every tensor starts on a cache line, so any dtype can view it
 
@@ -36,7 +41,10 @@ class HostPool:
         """A uint8 view of at least ``nbytes`` (the caller ensures no writer reads it)."""
         if self._shm is None or self._buf is None or self._shm.size < nbytes:
             self.close()
-            self._shm = shared_memory.SharedMemory(create=True, size=max(ALIGN, nbytes * 5 // 4))
+            sweep_stale()  # before taking more of /dev/shm, free what dead owners left
+            self._shm = shared_memory.SharedMemory(
+                name=segment_name(), create=True, size=max(ALIGN, nbytes * 5 // 4)
+            )
             self._buf = torch.frombuffer(self.view(), dtype=torch.uint8)
         if pin and not self._pinned and torch.cuda.is_available():
             cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
@@ -81,13 +89,16 @@ def stage1_copy(pool: HostPool, tensors: list[tuple[str, torch.Tensor]]) -> list
             }
         )
         offset = align(offset + nbytes)
-    on_cuda = any(t.is_cuda for _, t in tensors)
-    buf = pool.reserve(offset, pin=on_cuda)
+    devices = {t.device for _, t in tensors if t.is_cuda}
+    buf = pool.reserve(offset, pin=bool(devices))
     for (_, t), rec in zip(tensors, records, strict=True):
         start, n = int(rec["pool_offset"]), int(rec["raw_length"])  # type: ignore[call-overload]
         if n:
             dst = buf[start : start + n].view(t.dtype).view(t.shape)
             dst.copy_(t, non_blocking=t.is_cuda)
-    if on_cuda:
-        torch.cuda.synchronize()
+    # The non-blocking copies were queued on each device's current stream, behind the
+    # work that produced the state; wait for those streams only, not for other streams'
+    # work (a global synchronize would also wait for, e.g., a prefetch or a collective).
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
     return records

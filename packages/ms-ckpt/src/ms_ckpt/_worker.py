@@ -4,7 +4,9 @@ Started as a fresh interpreter (``subprocess``, not ``fork``: forking a process 
 CUDA or many threads is unsafe; and not ``multiprocessing``'s spawn, which re-imports the
 trainer's main module and so fails in scripts without an ``if __name__ == "__main__"``
 guard). It talks over a socket pair wrapped as a ``multiprocessing`` connection; the
-first message is the pickled filesystem and root.
+first message is the pickled filesystem, root and stage-2 hook. It imports no torch
+(``ms_ckpt/__init__`` loads the torch-side modules lazily): a writer starts in a
+fraction of the time.
 
 It maps the trainer's host buffer by shared-memory name and writes one job at a
 time, answering ``("ok", step)`` or ``("error", step, message, errno)``. When the trainer
@@ -21,7 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ms_ckpt._layout import ParentGone
-from ms_ckpt._writer import describe, run_job
+from ms_ckpt._writer import Hook, describe, run_job
 
 
 def run(fd: int, parent_pid: int, nice: int = 0) -> None:
@@ -31,13 +33,13 @@ def run(fd: int, parent_pid: int, nice: int = 0) -> None:
         os.nice(nice)
     conn = Connection(fd)
     try:
-        fs, root = conn.recv()
+        fs, root, hook = conn.recv()
     except (EOFError, OSError):
         return
-    main(conn, fs, root, parent_pid)
+    main(conn, fs, root, parent_pid, hook)
 
 
-def main(conn: Connection, fs: Any, root: str, parent_pid: int) -> None:
+def main(conn: Connection, fs: Any, root: str, parent_pid: int, hook: Hook | None) -> None:
     segments: dict[str, shared_memory.SharedMemory] = {}
 
     def alive() -> bool:
@@ -59,7 +61,7 @@ def main(conn: Connection, fs: Any, root: str, parent_pid: int) -> None:
                 seg = segments[job["pool"]] = _attach(job["pool"])
             buf = seg.buf if seg is not None and seg.buf is not None else memoryview(b"")
             try:
-                run_job(fs, root, job, buf, alive)
+                run_job(fs, root, job, buf, alive, hook)
             except ParentGone:
                 return
             except Exception as e:

@@ -1,7 +1,14 @@
 """Stage 2: write one step's shard, commit its manifest, move ``latest``, apply retention.
 
 Runs in the writer process (``_worker``) or, for filesystems the writer process cannot
-see (memory://), in the caller. Pure I/O on bytes: no torch import is needed here.
+see (memory://), in the caller. Pure I/O on bytes: nothing here imports torch, so that
+starting a writer does not pay for it.
+
+``hook(point, step)``, when the user gave one, is called at ``"stage2"`` (before
+anything is written), ``"record"`` (before each record) and ``"manifest"`` (the manifest
+is durable under its temporary name, the rename that commits it comes next). The
+writer checks that its trainer is alive after each call, so a hook that holds stage 2
+at a point never lets an orphan commit.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ _CHUNK = 16 << 20  # bytes compressed per call: bounds the writer's extra memory
 # After a failed step rank 0 waits at most this long for the other ranks to finish with
 # the step's directory before removing it; a rank still silent then leaves it to retention.
 _CLEANUP_WAIT = 30.0
+
+
+Hook = Callable[[str, int], None]
 
 
 class StepRefused(Exception):
@@ -78,7 +88,12 @@ def _write_record(f: Any, data: memoryview, codec: str, level: int) -> tuple[int
 
 
 def run_job(
-    fs: Any, root: str, job: dict[str, Any], buf: memoryview, alive: Callable[[], bool]
+    fs: Any,
+    root: str,
+    job: dict[str, Any],
+    buf: memoryview,
+    alive: Callable[[], bool],
+    hook: Hook | None = None,
 ) -> None:
     """Stage 2 of one save on this rank; on failure clean up what it may, then raise.
 
@@ -87,7 +102,7 @@ def run_job(
     partial step once every rank is done with it.
     """
     try:
-        write_step(fs, root, job, buf, alive)
+        write_step(fs, root, job, buf, alive, hook)
     except ParentGone:
         raise
     except Exception as e:
@@ -123,12 +138,23 @@ def _json(body: dict[str, Any]) -> bytes:
 
 
 def write_step(
-    fs: Any, root: str, job: dict[str, Any], buf: memoryview, alive: Callable[[], bool]
+    fs: Any,
+    root: str,
+    job: dict[str, Any],
+    buf: memoryview,
+    alive: Callable[[], bool],
+    hook: Hook | None = None,
 ) -> None:
     step: int = job["step"]
-    hooks: dict[str, float] = job["hooks"]
     codec: str = job["compression"]
-    L.pause(hooks, "stage2", alive)
+
+    def at(point: str) -> None:
+        if hook is not None:
+            hook(point, step)
+        if not alive():
+            raise ParentGone
+
+    at("stage2")
     directory = L.join(root, L.step_dir(step))
     if fs.exists(L.join(directory, L.MANIFEST)):
         raise FileExistsError(f"step {step} is already committed at {directory}")
@@ -148,9 +174,7 @@ def write_step(
         for meta, blob in job["blobs"]:
             items.append((meta | {"kind": "pickle", "raw_length": len(blob)}, memoryview(blob)))
         for meta, data in items:
-            L.pause(hooks, "record", alive)
-            if not alive():
-                raise ParentGone
+            at("record")
             length, raw_crc, crc = _write_record(f, data, codec, job["level"])
             records.append(
                 meta
@@ -197,7 +221,12 @@ def write_step(
     for name in fs.ls(directory, detail=False):  # temporaries of a crashed attempt
         if name.rsplit("/", 1)[-1].startswith(L.MANIFEST + ".tmp-"):
             fs.rm(name)
-    L.commit_file(fs, L.join(directory, L.MANIFEST), manifest_bytes(body), hooks, alive)
+    L.commit_file(
+        fs,
+        L.join(directory, L.MANIFEST),
+        manifest_bytes(body),
+        before_commit=lambda: at("manifest"),
+    )
     for r in fragments:
         if r != job["rank"] or job["world"]["world_size"] > 1:
             with contextlib.suppress(Exception):

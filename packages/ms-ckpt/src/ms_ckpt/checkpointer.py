@@ -1,18 +1,12 @@
 """``Checkpointer``: two-stage save (host copy, then a background writer process),
-atomic commit through a manifest, verified in-place load. Layout: docs/format.md.
-
-Test hook: the environment variable ``MS_CKPT_TEST_PAUSE`` (read by ``save``, e.g.
-``"record:0.2,manifest:5"``) makes stage 2 sleep at the named points: ``stage2`` before
-it starts, ``record`` before each record, ``manifest`` halfway through the manifest
-write. Fault-injection tests use it to kill processes at those points; it has no other
-use and is unset in production.
-"""
+atomic commit through a manifest, verified in-place load. Layout: docs/format.md."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -29,7 +23,7 @@ import torch.distributed as dist
 from ms_ckpt import _layout as L
 from ms_ckpt import _load, _plan, _reader, _tree
 from ms_ckpt._pool import HostPool, stage1_copy
-from ms_ckpt._writer import apply_retention, describe, run_job, write_error_fragment
+from ms_ckpt._writer import Hook, apply_retention, describe, run_job, write_error_fragment
 from ms_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
 __all__ = ["Checkpointer", "SaveHandle"]
@@ -113,6 +107,13 @@ class Checkpointer:
             ranks' parts of a save before it fails the step (seconds).
         nice: the writer process's niceness above the trainer's (0..19): stage 2 yields
             the CPU to training threads and data loaders, and uses what is idle.
+        hook: ``hook(point, step)`` is called by stage 2 at ``"stage2"`` (before anything
+            is written), ``"record"`` (before each record) and ``"manifest"`` (the
+            manifest is durable under a temporary name; the rename that commits the step
+            comes next): to trace stage 2, or, in fault-injection tests, to hold or fail
+            it at those points. It runs in the writer process, so it must pickle (a
+            module-level function, or an instance of a module-level class); an exception
+            it raises fails the save like any stage-2 error.
     """
 
     def __init__(
@@ -131,6 +132,7 @@ class Checkpointer:
         dp_dim: str | int = "dp",
         commit_timeout: float = 600.0,
         nice: int = 10,
+        hook: Hook | None = None,
     ) -> None:
         if type(nice) is not int or not 0 <= nice <= 19:
             raise ValueError(f"nice must be an int in [0, 19], got {nice!r}")
@@ -160,6 +162,17 @@ class Checkpointer:
                 "stage2='process' cannot write memory://: another process "
                 "cannot see this process's memory filesystem; use 'inline'"
             )
+        if hook is not None:
+            if not callable(hook):
+                raise TypeError(f"hook must be callable as hook(point, step), got {hook!r}")
+            if stage2 == "process":
+                try:
+                    pickle.dumps(hook)
+                except Exception as e:
+                    raise TypeError(
+                        f"hook must pickle, since it runs in the writer process (a "
+                        f"module-level function or class instance), got {hook!r}: {e}"
+                    ) from e
         self._layout = _make_layout(group, dp_group, mesh, dp_dim)
         if self._layout.distributed and in_memory:
             raise ValueError(
@@ -168,6 +181,7 @@ class Checkpointer:
             )
         self.commit_timeout = float(commit_timeout)
         self.nice = nice
+        self.hook = hook
         self._seq = 0
         self.url = url
         self.keep_last = keep_last
@@ -224,7 +238,7 @@ class Checkpointer:
         if self.stage2 == "inline":
             buf = self._pool.view() if job["pool"] else memoryview(b"")
             try:
-                run_job(self._fs, self._root, job, buf, L.always)
+                run_job(self._fs, self._root, job, buf, L.always, self.hook)
             except Exception as e:
                 handle._finish(_write_error(step, describe(e), getattr(e, "errno", None)))
             else:
@@ -277,7 +291,6 @@ class Checkpointer:
             "compression": self.compression,
             "level": self.level,
             "keep_last": self.keep_last,
-            "hooks": _test_hooks(),
         }
 
     def _raise_unobserved(self) -> None:
@@ -305,7 +318,7 @@ class Checkpointer:
         )
         theirs.close()
         conn = Connection(ours.detach())
-        conn.send((self._fs, self._root))
+        conn.send((self._fs, self._root, self.hook))
         self._proc, self._conn = proc, conn
 
     def _stop_writer(self) -> None:
@@ -376,6 +389,18 @@ class Checkpointer:
     def steps(self) -> dict[int, bool]:
         """Every step directory under the root: step -> committed (False: partial)."""
         return dict(sorted(L.list_steps(self._fs, self._root).items()))
+
+    def latest_step(self) -> int | None:
+        """The newest committed step (the one ``load(state)`` restores), or None when no
+        step is committed yet, e.g. after a crash during the first save::
+
+            start = ckpt.load(state) if ckpt.latest_step() is not None else 0
+
+        It lists storage on this rank, with no collective: with several ranks call it
+        while no save is in flight (at start-up), when every rank sees the same steps.
+        """
+        committed = [s for s, ok in L.list_steps(self._fs, self._root).items() if ok]
+        return max(committed, default=None)
 
     def load(
         self,
@@ -504,15 +529,6 @@ def _write_error(step: int, message: str, errno: int | None) -> CheckpointWriteE
         step=step,
         errno=errno,
     )
-
-
-def _test_hooks() -> dict[str, float]:
-    spec = os.environ.get("MS_CKPT_TEST_PAUSE", "")
-    hooks: dict[str, float] = {}
-    for part in filter(None, spec.split(",")):
-        name, _, seconds = part.partition(":")
-        hooks[name.strip()] = float(seconds)
-    return hooks
 
 
 def _placement(item: _tree.Item, layout: _plan.Layout) -> dict[str, Any]:
