@@ -1,5 +1,7 @@
 """Shared checks for the kernel tests, reached through fixtures (importlib mode).
 
+The norm tests' shared scaffold is a module of its own, _norm_cases.py.
+
 Every kernel result is judged against a float64 reference computed from the same
 inputs, beside the same computation done by torch in the low-precision dtype: the
 kernel may be at most about twice as far from the reference as torch is.
@@ -7,10 +9,18 @@ kernel may be at most about twice as far from the reference as torch is.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+
+# test_layer_norm.py and test_rms_norm.py import their shared scaffold, _norm_cases.py,
+# by name; in importlib mode the tests folder is not on sys.path by itself.
+_HERE = str(Path(__file__).parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 # Error allowed relative to the reference's scale, per dtype, whatever torch does.
 _TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}

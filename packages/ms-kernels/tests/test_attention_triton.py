@@ -203,6 +203,7 @@ def _cases(draw: Any) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @settings(max_examples=30)
 @given(case=_cases())
 def test_matches_float64_reference(check_close: Any, case: dict[str, Any]) -> None:
@@ -215,6 +216,7 @@ def test_matches_float64_reference(check_close: Any, case: dict[str, Any]) -> No
 # ---------------------------------------------------------------- fixed cases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     ("d", "sq", "sk", "window"),
@@ -231,6 +233,7 @@ def test_head_dims_with_gqa(
 WINDOWS = [(0, 0), (1, 1), (3, 0), (0, 3), (1, 150), (150, 0), (HUGE, 1), (HUGE, HUGE)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sq", "sk"), [(70, 100), (100, 70), (1, 100), (100, 1)])
 def test_windows_and_lengths(check_close: Any, sq: int, sk: int) -> None:
     # Sq > Sk leaves the first rows keyless for small right; Sq < Sk shifts the diagonal.
@@ -239,6 +242,7 @@ def test_windows_and_lengths(check_close: Any, sq: int, sk: int) -> None:
         _check(check_close, inputs, left, right, 0.25, label=f"window ({left}, {right})")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fwd", "dkdv", "dq"), [((16, 32), (32, 16), (16, 32)), ((32, 16), (16, 32), (32, 16))]
 )
@@ -254,6 +258,7 @@ def test_uneven_small_tiles(
             _check(check_close, inputs, left, right, 0.25, label=f"window ({left}, {right})")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tile_m", "tile_n"), [(16, 16), (32, 16)])
 def test_window_edges_on_block_edges(check_close: Any, tile_m: int, tile_n: int) -> None:
     # A loop bound one block off drops keys only when a window edge falls on a block
@@ -266,6 +271,7 @@ def test_window_edges_on_block_edges(check_close: Any, tile_m: int, tile_n: int)
         _check(check_close, inputs, 13, 5, 0.25)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_tile_choice(check_close: Any, d: int, dtype: torch.dtype) -> None:
@@ -276,6 +282,7 @@ def test_gpu_tile_choice(check_close: Any, d: int, dtype: torch.dtype) -> None:
         _check(check_close, inputs, 40, 0, d**-0.5, label=f"gpu tiles d={d}")
 
 
+@pytest.mark.slow
 def test_bfloat16(check_close: Any) -> None:
     # Interpreted: the UPCAST path (fp32 math on bf16 loads, torch rounds the results).
     # On CUDA: native bf16 dots.
@@ -284,6 +291,7 @@ def test_bfloat16(check_close: Any) -> None:
     assert all(t.dtype == torch.bfloat16 for n, t in got.items() if n != "lse")
 
 
+@pytest.mark.slow
 def test_block_skipping_with_nan_outside_the_window(check_close: Any) -> None:
     # One query block against a long key sequence, causal window of 8 near the end: key
     # blocks wholly outside the window are filled with NaN. Were they loaded and merely
@@ -307,6 +315,62 @@ def test_block_skipping_with_nan_outside_the_window(check_close: Any) -> None:
         check_close(name, got[name][:, outside:], lowp[name][:, outside:], ref[name][:, outside:])
 
 
+def _poisoned_run(
+    check_close: Any, inputs: dict[str, torch.Tensor], left: int, right: int, scale: float,
+    poison: float = float("nan"),
+) -> None:  # fmt: skip
+    """Keys no query attends are set to ``poison``; every result must match the clean
+    inputs' reference, and those keys' dK and dV must be exactly 0."""
+    sq, sk = inputs["q"].shape[1], inputs["k"].shape[1]
+    unseen = ~_window_mask(sq, sk, left, right, "cpu").any(0)
+    poisoned = dict(inputs)
+    for name in ("k", "v"):
+        poisoned[name] = inputs[name].clone()
+        poisoned[name][:, unseen.to(DEVICE)] = poison
+    got = _run_kernel(poisoned, left, right, scale)
+    ref = _run_reference(inputs, left, right, scale, torch.float64)
+    lowp = _run_reference(inputs, left, right, scale, inputs["q"].dtype)
+    scales = _grad_scales(inputs, left, right, scale)
+    for name in ("out", "dq"):
+        check_close(name, got[name], lowp[name], ref[name], scale=scales.get(name))
+    seen = ~unseen.to(DEVICE)
+    for name in ("dk", "dv"):
+        assert torch.equal(got[name][:, ~seen], torch.zeros_like(got[name][:, ~seen])), name
+        sc = scales.get(name)
+        check_close(name, got[name][:, seen], lowp[name][:, seen], ref[name][:, seen], scale=sc)
+    empty = torch.isinf(ref["lse"])
+    assert torch.equal(torch.isposinf(got["lse"]), empty)
+    check_close("lse", got["lse"][~empty], lowp["lse"].float()[~empty], ref["lse"][~empty])
+
+
+def test_nan_keys_in_a_partly_covered_tile_stay_out(check_close: Any) -> None:
+    # The issue's case: Sq 100, Sk 300, window (20, 0): queries see keys 180..299, and
+    # the 64-key tile 128..191 holds keys on both sides of 180.
+    inputs = _inputs(1, 100, 300, 2, 1, 32, torch.float32, seed=13)
+    _poisoned_run(check_close, inputs, 20, 0, 32**-0.5)
+
+
+@pytest.mark.slow
+@settings(max_examples=12)
+@given(
+    sq=st.integers(1, 70),
+    sk=st.integers(1, 90),
+    left=st.integers(0, 40),
+    right=st.integers(0, 40),
+    tiles=st.sampled_from([(16, 16), (16, 32), (32, 16)]),
+    poison=st.sampled_from([float("nan"), float("inf"), -float("inf")]),
+    seed=st.integers(0, 2**16),
+)
+def test_poisoned_keys_outside_every_window_with_small_tiles(
+    check_close: Any, sq: int, sk: int, left: int, right: int, tiles: tuple[int, int],
+    poison: float, seed: int,
+) -> None:  # fmt: skip
+    inputs = _inputs(1, sq, sk, 2, 1, 16, torch.float32, seed=seed)
+    with _tiles(tiles, tiles[::-1], tiles):
+        _poisoned_run(check_close, inputs, left, right, 0.25, poison)
+
+
+@pytest.mark.slow
 def test_deterministic() -> None:
     inputs = _inputs(2, 100, 100, 4, 1, 64, torch.float16, seed=11, layout="packed")
     first = _run_kernel(inputs, HUGE, HUGE, 0.125)

@@ -16,7 +16,8 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-2}
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone().requires_grad_()
+    # No clone: a view stays a view of the same memory, strides and all.
+    return t.detach().requires_grad_()
 
 
 def _run(fn, x, b, dy, approximate):  # type: ignore[no-untyped-def]
@@ -43,6 +44,12 @@ def _make(shape: tuple[int, ...], dtype: torch.dtype, seed: int, transposed: boo
 
 def _check_against_reference(shape, dtype, approximate, seed, transposed):  # type: ignore[no-untyped-def]
     x, b, dy = _make(shape, dtype, seed, transposed)
+    _check_tensors(x, b, dy, approximate)
+
+
+def _check_tensors(x, b, dy, approximate):  # type: ignore[no-untyped-def]
+    """The Triton backend on these very tensors against float64 and torch in their dtype."""
+    dtype, shape = x.dtype, x.shape
     got = _run(lambda x, b, a: bias_gelu(x, b, a, backend="triton"), x, b, dy, approximate)
     want = _run(bias_gelu_reference, x.double(), b.double(), dy.double(), approximate)
     torch_same_dtype = _run(bias_gelu_reference, x, b, dy, approximate)
@@ -58,6 +65,7 @@ def _check_against_reference(shape, dtype, approximate, seed, transposed):  # ty
         assert err <= 2 * torch_err + slack, f"{name}: error {err}, torch's in {dtype}: {torch_err}"
 
 
+@pytest.mark.slow
 @given(
     hidden=st.sampled_from(HIDDEN),
     lead=st.lists(st.integers(0, 3), min_size=1, max_size=3),
@@ -71,6 +79,60 @@ def test_matches_float64_reference(hidden, lead, dtype, approximate, transposed,
     lead = lead[:1] if hidden >= 1023 else lead
     shape = (*[min(d, 8) for d in lead], hidden)
     _check_against_reference(shape, dtype, approximate, seed, transposed)
+
+
+def test_row_strided_views_are_read_in_place() -> None:
+    # x: the first 300 columns of a wider buffer (row stride 512); the bias and dy:
+    # every other element of theirs. The old code read the bias as if contiguous.
+    gen = torch.Generator().manual_seed(4)
+    x = (2 * torch.randn(9, 512, generator=gen))[:, :300]
+    b = torch.randn(600, generator=gen)[::2]
+    dy = torch.randn(9, 600, generator=gen)[:, ::2]
+    assert x.stride() == (512, 1) and b.stride() == (2,) and dy.stride() == (600, 2)
+    _check_tensors(x, b, dy, "tanh")
+
+
+def test_row_offsets_past_2_31_elements() -> None:
+    # Rows 2**30 elements apart: row 2 starts at element 2**31, where an int32 offset
+    # wraps and the kernel would touch the wrong address (x and dy both; dy's rows
+    # start n elements after x's). The buffer reserves 4 GiB of address space, of
+    # which only the pages of these rows are ever touched (memory is backed lazily).
+    # With int32 offsets the interpreter dereferences a wild pointer: the run may
+    # crash (the traceback names this test) rather than fail an assertion.
+    n = 7
+    buf = torch.empty(2**31 + 2 * n, dtype=torch.float16)
+    x = buf.as_strided((3, n), (2**30, 1))
+    dy = buf.as_strided((3, n), (2**30, 1), n)
+    gen = torch.Generator().manual_seed(0)
+    x.copy_(2 * torch.randn(3, n, generator=gen))
+    dy.copy_(torch.randn(3, n, generator=gen))
+    b = torch.randn(n, generator=gen).half()
+    for approximate in ("none", "tanh"):
+        _check_tensors(x, b, dy, approximate)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_more_than_2_31_elements_on_cuda() -> None:
+    # A contiguous (m, 4096) fp16 tensor of 2**31 + 2**17 elements (4 GiB; four of
+    # them): the last rows' offsets are past int32's range. Checked there and at the
+    # start against float64.
+    n = 4096
+    m = 2**31 // n + 32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, n, device="cuda", generator=gen, dtype=torch.float16)
+    dy = torch.randn(m, n, device="cuda", generator=gen, dtype=torch.float16)
+    b = torch.randn(n, device="cuda", generator=gen, dtype=torch.float16)
+    xl, bl = _leaf(x), _leaf(b)
+    y = bias_gelu(xl, bl, backend="triton")
+    (dx,) = torch.autograd.grad(y, [xl], dy)
+    for rows in (slice(0, 64), slice(m - 64, m)):
+        x64 = x[rows].double().requires_grad_()
+        want = bias_gelu_reference(x64, b.double())
+        (want_dx,) = torch.autograd.grad(want, [x64], dy[rows].double())
+        for name, g, w in (("y", y[rows], want), ("dx", dx[rows], want_dx)):
+            err = (g.double() - w).abs().max().item()
+            assert err <= TOL[torch.float16] * (1 + w.abs().max().item()), f"{name}: {err}"
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])

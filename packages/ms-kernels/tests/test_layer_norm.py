@@ -1,187 +1,66 @@
-"""ms_kernels.layer_norm against a float64 reference, both backends, every gradient."""
+"""ms_kernels.layer_norm against a float64 reference, both backends, every gradient.
+
+The checks shared with test_rms_norm.py live in _norm_cases.py.
+"""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _norm_cases import (
+    LAYER,
+    cases,
+    check_case,
+    check_cuda_against_reference,
+    check_deterministic,
+    check_every_hidden_size,
+    check_mixed_dtype_residual,
+    check_multi_dim_normalized_shape,
+    check_residual_gradient_includes_the_sum_output,
+    check_zero_rows,
+)
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from ms_kernels.layer_norm import LayerNorm, add_layer_norm, layer_norm
 
-HIDDEN = (1, 7, 1023, 1500, 4096)
-DTYPES = (torch.float32, torch.float16)
 
-
-@st.composite
-def _cases(draw: Any) -> dict[str, Any]:
-    lead = draw(
-        st.lists(st.integers(0, 4), min_size=1, max_size=3).filter(lambda s: math.prod(s) <= 8)
-    )
-    return {
-        "lead": tuple(lead),
-        "n": draw(st.sampled_from(HIDDEN)),
-        "dtype": draw(st.sampled_from(DTYPES)),
-        "affine": draw(st.booleans()),
-        "bias": draw(st.booleans()),
-        "residual": draw(st.booleans()),
-        "strided": draw(st.booleans()),
-        "seed": draw(st.integers(0, 2**16)),
-    }
-
-
-def _inputs(case: dict[str, Any]) -> dict[str, torch.Tensor | None]:
-    """Low-precision inputs and upstream grads; ``strided`` gives non-contiguous views."""
-    gen = torch.Generator().manual_seed(case["seed"])
-    lead, n, dtype = case["lead"], case["n"], case["dtype"]
-
-    def act() -> torch.Tensor:
-        if case["strided"]:  # every other element of a wider buffer: last-dim stride 2
-            return torch.randn(*lead, 2 * n, generator=gen).to(dtype)[..., ::2]
-        return torch.randn(*lead, n, generator=gen).to(dtype)
-
-    def param(shift: float) -> torch.Tensor:
-        return (shift + 0.5 * torch.randn(n, generator=gen)).to(dtype)
-
-    return {
-        "x": act(),
-        "residual": act() if case["residual"] else None,
-        "weight": param(1.0) if case["affine"] else None,
-        "bias": param(0.0) if case["affine"] and case["bias"] else None,
-        "dy": act(),
-        "ds": act(),
-    }
-
-
-def _run(
-    inputs: dict[str, torch.Tensor | None], n: int, backend: str, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Forward and backward in ``dtype`` (float64 for the reference); named results."""
-    leaves = {
-        k: v.detach().to(dtype).requires_grad_()
-        for k in ("x", "residual", "weight", "bias")
-        if (v := inputs[k]) is not None
-    }
-    x, residual = leaves["x"], leaves.get("residual")
-    weight, bias = leaves.get("weight"), leaves.get("bias")
-    dy, ds = inputs["dy"], inputs["ds"]
-    assert dy is not None and ds is not None
-    if backend == "reference":  # float64, no kernel: the definition of LayerNorm
-        s = x + residual if residual is not None else x
-        y = F.layer_norm(s, (n,), weight, bias, 1e-5)
-    elif residual is not None:
-        y, s = add_layer_norm(x, residual, (n,), weight, bias, 1e-5, backend=backend)  # type: ignore[arg-type]
-    else:
-        y, s = layer_norm(x, (n,), weight, bias, 1e-5, backend=backend), x  # type: ignore[arg-type]
-    outs = {"y": y}
-    loss = (y * dy.to(dtype)).sum()
-    if residual is not None:
-        outs["sum"] = s
-        loss = loss + (s * ds.to(dtype)).sum()
-    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-    for (k, leaf), g in zip(leaves.items(), grads, strict=True):
-        outs[f"grad_{k}"] = g if g is not None else torch.zeros_like(leaf)
-    return {k: v.detach() for k, v in outs.items()}
-
-
-def _scales(inputs: dict[str, torch.Tensor | None], n: int) -> dict[str, float]:
-    """Error scales for the input gradients: the size of the terms that cancel in them."""
-    x, r, w, dy = inputs["x"], inputs["residual"], inputs["weight"], inputs["dy"]
-    assert x is not None and dy is not None
-    if x.numel() == 0:
-        return {}
-    s = x.double() + r.double() if r is not None else x.double()
-    rstd = s.var(-1, unbiased=False).add(1e-5).rsqrt().max().item()
-    wdy = dy.double() * (w.double() if w is not None else 1.0)
-    term = 1.0 + wdy.abs().max().item() * rstd
-    return {"grad_x": term, "grad_residual": term}
-
-
+@pytest.mark.slow
 @settings(max_examples=25)
-@given(case=_cases())
+@given(case=cases(LAYER))
 def test_matches_float64_reference(check_close: Any, case: dict[str, Any]) -> None:
-    inputs = _inputs(case)
-    scales = _scales(inputs, case["n"])
-    ref = _run(inputs, case["n"], "reference", torch.float64)
-    lowp = _run(inputs, case["n"], "torch", case["dtype"])
-    got = _run(inputs, case["n"], "triton", case["dtype"])
-    assert got.keys() == ref.keys() == lowp.keys()
-    for name in ref:
-        check_close(f"triton {name}", got[name], lowp[name], ref[name], scale=scales.get(name))
-        check_close(f"torch {name}", lowp[name], lowp[name], ref[name], is_torch=True)
+    check_case(check_close, LAYER, case)
 
 
 @pytest.mark.parametrize("residual", [False, True])
 def test_every_hidden_size_and_gradient(check_close: Any, residual: bool) -> None:
-    for n in HIDDEN:
-        case = {"lead": (3,), "n": n, "dtype": torch.float32, "affine": True, "bias": True,
-                "residual": residual, "strided": False, "seed": n}  # fmt: skip
-        inputs = _inputs(case)
-        scales = _scales(inputs, n)
-        ref = _run(inputs, n, "reference", torch.float64)
-        lowp = _run(inputs, n, "torch", torch.float32)
-        got = _run(inputs, n, "triton", torch.float32)
-        expected = {"y", "grad_x", "grad_weight", "grad_bias"}
-        if residual:
-            expected |= {"sum", "grad_residual"}
-        assert got.keys() == expected
-        for name in ref:
-            check_close(f"n={n} {name}", got[name], lowp[name], ref[name], scale=scales.get(name))
+    check_every_hidden_size(check_close, LAYER, residual)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "residual_dtype"), [(torch.float16, torch.float32), (torch.float32, torch.float16)]
+)
+def test_mixed_dtype_residual_promotes_on_both_backends(
+    check_close: Any, dtype: torch.dtype, residual_dtype: torch.dtype
+) -> None:
+    check_mixed_dtype_residual(check_close, LAYER, dtype, residual_dtype)
 
 
 def test_residual_gradient_includes_the_sum_output() -> None:
-    # With dy = 0 the only gradient is the one flowing into the returned sum.
-    x = torch.randn(2, 7, requires_grad=True)
-    r = torch.randn(2, 7, requires_grad=True)
-    y, s = add_layer_norm(x, r, (7,), backend="triton")
-    ds = torch.randn(2, 7)
-    gx, gr = torch.autograd.grad((y * 0).sum() + (s * ds).sum(), [x, r])
-    torch.testing.assert_close(gx, ds)
-    torch.testing.assert_close(gr, ds)
+    check_residual_gradient_includes_the_sum_output(LAYER)
 
 
 def test_zero_rows() -> None:
-    x = torch.randn(0, 3, 7, requires_grad=True)
-    r = torch.randn(0, 3, 7, requires_grad=True)
-    w = torch.randn(7, requires_grad=True)
-    b = torch.randn(7, requires_grad=True)
-    y, s = add_layer_norm(x, r, (7,), w, b, backend="triton")
-    assert y.shape == s.shape == (0, 3, 7)
-    gx, gr, gw, gb = torch.autograd.grad((y.sum() + s.sum()), [x, r, w, b])
-    assert gx.shape == gr.shape == (0, 3, 7)
-    assert torch.equal(gw, torch.zeros(7)) and torch.equal(gb, torch.zeros(7))
+    check_zero_rows(LAYER, (0, 3))
 
 
 def test_deterministic() -> None:
-    # 7 rows over 4 backward programs: several rows per partial buffer row.
-    gen = torch.Generator().manual_seed(0)
-    x, r, dy = (torch.randn(7, 1500, generator=gen) for _ in range(3))
-    w, b = torch.randn(1500, generator=gen), torch.randn(1500, generator=gen)
-
-    def once() -> list[torch.Tensor]:
-        leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
-        y, s = add_layer_norm(leaves[0], leaves[1], (1500,), leaves[2], leaves[3], backend="triton")
-        return [y, s, *torch.autograd.grad((y * dy).sum() + s.sum(), leaves)]
-
-    for a, c in zip(once(), once(), strict=True):
-        assert torch.equal(a, c)
+    check_deterministic(LAYER)
 
 
 def test_multi_dim_normalized_shape() -> None:
-    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    got = layer_norm(x.float(), (3, 5), w.float(), b.float(), backend="triton")
-    ref = F.layer_norm(x, (3, 5), w, b)
-    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
-    g_got = torch.autograd.grad(got.double().pow(2).sum(), [x, w, b])
-    g_ref = torch.autograd.grad(ref.pow(2).sum(), [x, w, b])
-    for a, c in zip(g_got, g_ref, strict=True):
-        torch.testing.assert_close(a, c, atol=1e-4, rtol=1e-4)
+    check_multi_dim_normalized_shape(LAYER)
 
 
 @pytest.mark.parametrize(("affine", "bias"), [(True, True), (True, False), (False, False)])
@@ -229,14 +108,4 @@ def test_bad_inputs_name_the_argument() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_against_reference(check_close: Any, dtype: torch.dtype) -> None:
-    # The interpreter cannot do bf16 arithmetic, so bf16 is checked on a GPU only.
-    for n in HIDDEN:
-        case = {"lead": (4, 2), "n": n, "dtype": dtype, "affine": True, "bias": True,
-                "residual": True, "strided": True, "seed": n}  # fmt: skip
-        inputs = {k: v.cuda() if v is not None else None for k, v in _inputs(case).items()}
-        scales = _scales(inputs, n)
-        ref = _run(inputs, n, "reference", torch.float64)
-        lowp = _run(inputs, n, "torch", dtype)
-        got = _run(inputs, n, "triton", dtype)
-        for name in ref:
-            check_close(f"n={n} {name}", got[name], lowp[name], ref[name], scale=scales.get(name))
+    check_cuda_against_reference(check_close, LAYER, dtype)

@@ -32,7 +32,8 @@ SCRIPT = textwrap.dedent(
     mk.rms_norm(x, (16,), w)
     mk.bias_gelu(x, b, "tanh")
     q = torch.randn(1, 8, 2, 16)
-    mk.sliding_window_attention(q, q, q, mk.hf_window(3))
+    mk.sliding_window_attention(q, q, q, window=mk.hf_window(3))
+    mk.sliding_window_attention(q, q, q, 0.1, window=mk.hf_window(3))
     assert not [m for m in sys.modules if m == "triton" or m.startswith("triton.")]
     for call in (
         lambda: mk.layer_norm(x, (16,), w, b, backend="triton"),

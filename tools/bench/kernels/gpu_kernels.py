@@ -303,7 +303,7 @@ def attention_candidates(
     backend = "triton" if on_cuda else "torch"
 
     def ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Sequence[torch.Tensor]:
-        return (swa(q, k, v, window, causal=True, backend=backend),)
+        return (swa(q, k, v, window=window, causal=True, backend=backend),)
 
     def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Sequence[torch.Tensor]:
         assert flash is not None

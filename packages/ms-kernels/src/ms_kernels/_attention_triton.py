@@ -24,19 +24,22 @@ bitwise identical:
 
 1. a preprocess, ``delta_i = sum_d dO_id O_id`` in fp32 (equal to ``sum_j P_ij dP_ij``,
    the term the softmax Jacobian subtracts);
-2. a dK/dV kernel, one program per (key block, batch, kv head), which recomputes
+2. dK/dV: one program per (key block, batch, kv head), which recomputes
    ``P = exp(s - lse)`` for every query block that sees its keys and accumulates
    ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dP - delta)``,
    ``dP = dO V^T``. It loops over the ``G = Hq / Hkv`` query heads sharing its kv
    head, so GQA's sum over those heads happens inside one program;
-3. a dQ kernel, one program per (query block, batch, head), which walks its key blocks
-   as the forward does and accumulates ``dQ += dS K``.
+3. dQ: one program per (query block, batch, head), which walks its key blocks as the
+   forward does and accumulates ``dQ += dS K``.
 
-dQ is split off because dQ sums over keys while dK/dV sum over queries: a single kernel
-over key blocks would have every key block add into the same dQ rows, which needs
+Steps 2 and 3 are one kernel, ``_bwd_kernel``, launched twice: a program owns a "home"
+tile (keys in 2, queries in 3) and visits the tiles of the other side that its window
+meets; the scores are home x visited either way (``S^T`` in 2, ``S`` in 3), and the
+``KEY_HOME`` constexpr picks where lse and delta come from and whether dV is summed.
+dQ is a launch of its own because dQ sums over keys while dK/dV sum over queries: one
+pass over key blocks would have every key block add into the same dQ rows, which needs
 atomics (their order, hence the rounding, varies run to run) or a partial dQ per key
-block (memory ``Sq * D * Sk / BLOCK_N``). The price of the second kernel is computing
-``P`` and ``dP`` twice.
+block (memory ``Sq * D * Sk / BLOCK_N``). The price is computing ``P`` and ``dP`` twice.
 
 Block skipping (what makes the cost O(S * window) rather than O(S^2)). The window of
 query ``i`` is the key interval ``[i + shift - left, i + shift + right]``, which moves
@@ -47,6 +50,9 @@ inequality, key ``j`` is seen by queries ``[j - shift - right, j - shift + left]
 key block ``[n0, n1]`` is seen by query rows ``[n0 - shift - right, n1 - shift + left]``
 clipped to ``[0, Sq)`` (``_query_range``). Blocks partly inside the interval are masked
 element-wise; blocks outside are never loaded. An empty interval gives an empty loop.
+In a partly covered key block, keys outside the interval (``_seen_keys``; for dK/dV,
+keys no query at all attends) are loaded as 0 rather than read: masking their scores
+is not enough, as ``P V`` and ``dO V^T`` would still multiply a NaN or inf value by 0.
 (The element-wise mask is applied to every visited block, interior ones included; a
 GPU-tuned version would split off the interior blocks to save those few integer ops.)
 
@@ -79,18 +85,24 @@ MAX_HEAD_DIM = 128
 _LOG2E = math.log2(math.e)
 
 
+@triton.jit
+def _seen_keys(m_first, m_last, Sq, Sk, left, right):  # type: ignore[no-untyped-def]
+    """[lo, hi], inclusive and clipped to the keys, of the keys that any query row in
+    ``m_first .. m_last`` attends: ``m_first + shift - left .. m_last + shift + right``."""
+    shift = Sk - Sq
+    lo = tl.maximum(m_first + shift - left, 0)
+    hi = tl.minimum(m_last + shift + right, Sk - 1)
+    return lo, hi
+
+
 @triton.jit  # type: ignore[untyped-decorator]
 def _key_range(m_start, Sq, Sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
     """[start, end) of the key loop of query block ``m_start``; start is block-aligned.
 
-    The block's rows are ``m_start .. min(m_start + BLOCK_M, Sq) - 1``; its first row sees
-    keys from ``m_start + shift - left`` and its last row up to ``last + shift + right``.
+    The block's rows are ``m_start .. min(m_start + BLOCK_M, Sq) - 1``.
     ``end <= start`` (an empty loop) when no row sees any key.
     """
-    shift = Sk - Sq
-    m_last = tl.minimum(m_start + BLOCK_M, Sq) - 1
-    lo = tl.maximum(m_start + shift - left, 0)
-    hi = tl.minimum(m_last + shift + right, Sk - 1)
+    lo, hi = _seen_keys(m_start, tl.minimum(m_start + BLOCK_M, Sq) - 1, Sq, Sk, left, right)
     return (lo // BLOCK_N) * BLOCK_N, hi + 1
 
 
@@ -186,10 +198,15 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_range(m_start, Sq, Sk, left, right, BLOCK_M, BLOCK_N)
+    # Keys no row of this block attends load as 0: a key block straddling the window
+    # edge would otherwise carry their NaN or inf through p @ v (0 * NaN = NaN).
+    seen_lo, seen_hi = _seen_keys(
+        m_start, tl.minimum(m_start + BLOCK_M, Sq) - 1, Sq, Sk, left, right
+    )
     for n_start in range(lo, hi, BLOCK_N):
         offs_n = n_start + offs_n0
         cols64 = offs_n.to(tl.int64)
-        n_ok = offs_n < Sk
+        n_ok = (offs_n >= seen_lo) & (offs_n <= seen_hi)
         # K is loaded transposed, (D, N), so the score product needs no transpose.
         kt = tl.load(
             k_base + cols64[None, :] * stride_ks + offs_d[:, None] * stride_kd,
@@ -283,264 +300,176 @@ def _bwd_preprocess_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _bwd_dkdv_kernel(  # type: ignore[no-untyped-def]
-    Q,
-    K,
-    V,
-    DO,
+def _bwd_kernel(  # type: ignore[no-untyped-def]
+    XH,
+    YH,
+    XV,
+    YV,
     Lse,
     Delta,
-    DK,
-    DV,
+    GX,
+    GY,
     stride_gb,
     stride_gs,
     stride_gh,
     stride_gd,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_qd,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_vd,
-    stride_db,
-    stride_ds,
-    stride_dh,
-    stride_dd,
+    stride_xhb,
+    stride_xhs,
+    stride_xhh,
+    stride_xhd,
+    stride_yhb,
+    stride_yhs,
+    stride_yhh,
+    stride_yhd,
+    stride_xvb,
+    stride_xvs,
+    stride_xvh,
+    stride_xvd,
+    stride_yvb,
+    stride_yvs,
+    stride_yvh,
+    stride_yvd,
     stride_lb,
     stride_lh,
     stride_ls,
+    H_home,
     Sq,
     Sk,
     Hq,
-    Hkv,
     G,
     D,
     left,
     right,
     scale,
     qk_scale,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_HOME: tl.constexpr,
+    BLOCK_VISIT: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KEY_HOME: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    """Both backward kernels: a program owns a "home" tile and visits the tiles it meets.
+
+    ``KEY_HOME``: the dK/dV kernel. Home is a key block of one kv head, ``(XH, YH) =
+    (K, V)``; it visits the query blocks that see it, in each of the G query heads of
+    the group, ``(XV, YV) = (Q, dO)``, and writes ``GX = dK``, ``GY = dV``. Otherwise the
+    dQ kernel: home is a query block of one head, ``(XH, YH) = (Q, dO)``, visiting key
+    blocks ``(XV, YV) = (K, V)``, writing ``GX = dQ``. Either way the scores are
+    ``XH XV^T`` (S^T or S), ``dP = YH YV^T``, and ``GX += dS XV``; lse and delta belong to
+    the queries, so they index the visited axis in the first case and the home axis in
+    the second.
+    """
+    pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    kvh = (pid_bh % Hkv).to(tl.int64)
-    n_start = pid_n * BLOCK_N
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    offs_m0 = tl.arange(0, BLOCK_M)
+    b = (pid_bh // H_home).to(tl.int64)
+    head = pid_bh % H_home
+    h_start = pid * BLOCK_HOME
+    offs_h = h_start + tl.arange(0, BLOCK_HOME)
+    offs_v0 = tl.arange(0, BLOCK_VISIT)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    cols64 = offs_n.to(tl.int64)
-    kv_mask = (offs_n[:, None] < Sk) & d_ok[None, :]
-
-    k = tl.load(
-        K
-        + b * stride_kb
-        + kvh * stride_kh
-        + cols64[:, None] * stride_ks
-        + offs_d[None, :] * stride_kd,
-        mask=kv_mask,
+    idx_h = offs_h.to(tl.int64)
+    if KEY_HOME:
+        home_in = offs_h < Sk
+        # Keys no query attends load as 0, so their NaN or inf cannot reach dK or dV.
+        seen_lo, seen_hi = _seen_keys(0, Sq - 1, Sq, Sk, left, right)
+        home_ok = (offs_h >= seen_lo) & (offs_h <= seen_hi)
+        lo, hi = _query_range(h_start, Sq, Sk, left, right, BLOCK_VISIT, BLOCK_HOME)
+        n_heads = G
+    else:
+        home_in = offs_h < Sq
+        home_ok = home_in
+        # Keys no row of this block attends load as 0 (see the forward).
+        q_last = tl.minimum(h_start + BLOCK_HOME, Sq) - 1
+        seen_lo, seen_hi = _seen_keys(h_start, q_last, Sq, Sk, left, right)
+        lo, hi = _key_range(h_start, Sq, Sk, left, right, BLOCK_HOME, BLOCK_VISIT)
+        n_heads = 1
+    home_head = head.to(tl.int64)
+    home_mask = home_ok[:, None] & d_ok[None, :]
+    xh = tl.load(
+        XH + b * stride_xhb + home_head * stride_xhh + idx_h[:, None] * stride_xhs
+        + offs_d[None, :] * stride_xhd,
+        mask=home_mask,
         other=0.0,
-    )
-    v = tl.load(
-        V
-        + b * stride_vb
-        + kvh * stride_vh
-        + cols64[:, None] * stride_vs
-        + offs_d[None, :] * stride_vd,
-        mask=kv_mask,
+    )  # fmt: skip
+    yh = tl.load(
+        YH + b * stride_yhb + home_head * stride_yhh + idx_h[:, None] * stride_yhs
+        + offs_d[None, :] * stride_yhd,
+        mask=home_mask,
         other=0.0,
-    )
+    )  # fmt: skip
     if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    lo, hi = _query_range(n_start, Sq, Sk, left, right, BLOCK_M, BLOCK_N)
-    # The G query heads of this kv head, in a fixed order: GQA's sum over heads is
-    # done here, in registers, with no atomics.
-    for g in range(0, G):
-        h = kvh * G + g
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = DO + b * stride_db + h * stride_dh
-        lse_base = Lse + b * stride_lb + h * stride_lh
-        delta_base = Delta + (b * Hq + h) * Sq
-        for m_start in range(lo, hi, BLOCK_M):
-            offs_m = m_start + offs_m0
-            rows64 = offs_m.to(tl.int64)
-            m_ok = offs_m < Sq
-            q_mask = m_ok[:, None] & d_ok[None, :]
-            q = tl.load(
-                q_base + rows64[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                mask=q_mask,
+        xh = xh.to(tl.float32)
+        yh = yh.to(tl.float32)
+    if not KEY_HOME:
+        lse2 = (
+            tl.load(Lse + b * stride_lb + home_head * stride_lh + idx_h * stride_ls,
+                    mask=home_in, other=0.0)
+            * 1.4426950408889634
+        )  # fmt: skip
+        delta = tl.load(Delta + (b * Hq + home_head) * Sq + idx_h, mask=home_in, other=0.0)
+    acc_x = tl.zeros([BLOCK_HOME, BLOCK_D], tl.float32)
+    acc_y = tl.zeros([BLOCK_HOME, BLOCK_D], tl.float32)
+    # dK/dV: the G query heads of this kv head, in a fixed order, so GQA's sum over
+    # heads happens here, in registers, with no atomics.
+    for g in range(0, n_heads):
+        if KEY_HOME:  # noqa: SIM108 (a constexpr branch; Triton resolves it at compile time)
+            visit_head = home_head * G + g
+        else:
+            visit_head = (head // G).to(tl.int64)
+        xv_base = XV + b * stride_xvb + visit_head * stride_xvh
+        yv_base = YV + b * stride_yvb + visit_head * stride_yvh
+        for v_start in range(lo, hi, BLOCK_VISIT):
+            offs_v = v_start + offs_v0
+            idx_v = offs_v.to(tl.int64)
+            if KEY_HOME:  # noqa: SIM108
+                v_ok = offs_v < Sq
+            else:
+                v_ok = (offs_v >= seen_lo) & (offs_v <= seen_hi)
+            v_mask = v_ok[:, None] & d_ok[None, :]
+            xv = tl.load(
+                xv_base + idx_v[:, None] * stride_xvs + offs_d[None, :] * stride_xvd,
+                mask=v_mask,
                 other=0.0,
             )
-            do = tl.load(
-                do_base + rows64[:, None] * stride_ds + offs_d[None, :] * stride_dd,
-                mask=q_mask,
+            yv = tl.load(
+                yv_base + idx_v[:, None] * stride_yvs + offs_d[None, :] * stride_yvd,
+                mask=v_mask,
                 other=0.0,
             )
             if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
+                xv = xv.to(tl.float32)
+                yv = yv.to(tl.float32)
+            s = tl.dot(xh, tl.trans(xv), input_precision=DOT_PRECISION) * qk_scale
+            dp = tl.dot(yh, tl.trans(yv), input_precision=DOT_PRECISION)
             # lse = +inf (a query with no key) makes every p of its row exp2(-inf) = 0.
-            lse2 = tl.load(lse_base + rows64 * stride_ls, mask=m_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(delta_base + rows64, mask=m_ok, other=0.0)
-            # Transposed scores, (N, M): rows are this program's keys.
-            st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-            ok = _allowed(offs_m[None, :], offs_n[:, None], Sq, Sk, left, right)
-            pt = tl.where(ok, tl.math.exp2(st - lse2[None, :]), 0.0)
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
-            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            dst = pt * (dpt - delta[None, :])
-            dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
+            if KEY_HOME:
+                lse_base = Lse + b * stride_lb + visit_head * stride_lh
+                lse2_v = (
+                    tl.load(lse_base + idx_v * stride_ls, mask=v_ok, other=0.0) * 1.4426950408889634
+                )
+                delta_v = tl.load(Delta + (b * Hq + visit_head) * Sq + idx_v, mask=v_ok, other=0.0)
+                ok = _allowed(offs_v[None, :], offs_h[:, None], Sq, Sk, left, right)
+                p = tl.where(ok, tl.math.exp2(s - lse2_v[None, :]), 0.0)
+                acc_y += tl.dot(p.to(yv.dtype), yv, input_precision=DOT_PRECISION)
+                ds = p * (dp - delta_v[None, :])
+            else:
+                ok = _allowed(offs_h[:, None], offs_v[None, :], Sq, Sk, left, right)
+                p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
+                ds = p * (dp - delta[:, None])
+            acc_x += tl.dot(ds.to(xv.dtype), xv, input_precision=DOT_PRECISION)
 
-    dk = dk * scale
-    # DK and DV are fresh tensors of one layout, with strides stride_g*.
+    acc_x = acc_x * scale
+    # The gradients are fresh tensors of one layout, with strides stride_g*.
     g_off = (
-        b * stride_gb + kvh * stride_gh + cols64[:, None] * stride_gs + offs_d[None, :] * stride_gd
-    )
-    tl.store(DK + g_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + g_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _bwd_dq_kernel(  # type: ignore[no-untyped-def]
-    Q,
-    K,
-    V,
-    DO,
-    Lse,
-    Delta,
-    DQ,
-    stride_gb,
-    stride_gs,
-    stride_gh,
-    stride_gd,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_qd,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_vd,
-    stride_db,
-    stride_ds,
-    stride_dh,
-    stride_dd,
-    stride_lb,
-    stride_lh,
-    stride_ls,
-    Sq,
-    Sk,
-    Hq,
-    G,
-    D,
-    left,
-    right,
-    scale,
-    qk_scale,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = pid_bh % Hq
-    kvh = (h // G).to(tl.int64)
-    h = h.to(tl.int64)
-    m_start = pid_m * BLOCK_M
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    rows64 = offs_m.to(tl.int64)
-    m_ok = offs_m < Sq
-    q_mask = m_ok[:, None] & d_ok[None, :]
-
-    q = tl.load(
-        Q
-        + b * stride_qb
-        + h * stride_qh
-        + rows64[:, None] * stride_qs
-        + offs_d[None, :] * stride_qd,
-        mask=q_mask,
-        other=0.0,
-    )
-    do = tl.load(
-        DO
-        + b * stride_db
-        + h * stride_dh
-        + rows64[:, None] * stride_ds
-        + offs_d[None, :] * stride_dd,
-        mask=q_mask,
-        other=0.0,
-    )
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    lse2 = (
-        tl.load(Lse + b * stride_lb + h * stride_lh + rows64 * stride_ls, mask=m_ok, other=0.0)
-        * 1.4426950408889634
-    )
-    delta = tl.load(Delta + (b * Hq + h) * Sq + rows64, mask=m_ok, other=0.0)
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
-
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = _key_range(m_start, Sq, Sk, left, right, BLOCK_M, BLOCK_N)
-    for n_start in range(lo, hi, BLOCK_N):
-        offs_n = n_start + offs_n0
-        cols64 = offs_n.to(tl.int64)
-        n_ok = offs_n < Sk
-        kt = tl.load(
-            k_base + cols64[None, :] * stride_ks + offs_d[:, None] * stride_kd,
-            mask=n_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
-        vt = tl.load(
-            v_base + cols64[None, :] * stride_vs + offs_d[:, None] * stride_vd,
-            mask=n_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
-        if UPCAST:
-            kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
-        ok = _allowed(offs_m[:, None], offs_n[None, :], Sq, Sk, left, right)
-        p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
-
-    dq = dq * scale
-    tl.store(
-        DQ
-        + b * stride_gb
-        + h * stride_gh
-        + rows64[:, None] * stride_gs
-        + offs_d[None, :] * stride_gd,
-        dq.to(DQ.dtype.element_ty),
-        mask=q_mask,
-    )
+        b * stride_gb + home_head * stride_gh + idx_h[:, None] * stride_gs
+        + offs_d[None, :] * stride_gd
+    )  # fmt: skip
+    out_mask = home_in[:, None] & d_ok[None, :]
+    tl.store(GX + g_off, acc_x.to(GX.dtype.element_ty), mask=out_mask)
+    if KEY_HOME:
+        tl.store(GY + g_off, acc_y.to(GY.dtype.element_ty), mask=out_mask)
 
 
 @dataclass(frozen=True)
@@ -703,69 +632,26 @@ def attention_backward(
         BLOCK_M=pre_m,
         BLOCK_D=block_d,
     )
-    common = (
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *dout.stride(),
-        *lse.stride(),
-    )
+    sizes = (sq, sk, hq, hq // hkv, head_dim, left, right, scale, scale * _LOG2E)
+    options = {
+        "BLOCK_D": block_d,
+        "UPCAST": upcast,
+        "DOT_PRECISION": precision,
+        "num_warps": blocks.num_warps,
+        "num_stages": blocks.num_stages,
+    }
     block_m, block_n = blocks.dkdv
-    _bwd_dkdv_kernel[(triton.cdiv(sk, block_n), batch * hkv)](
-        q,
-        k,
-        v,
-        dout,
-        lse,
-        delta,
-        dk,
-        dv,
-        *dk.stride(),
-        *common,
-        sq,
-        sk,
-        hq,
-        hkv,
-        hq // hkv,
-        head_dim,
-        left,
-        right,
-        scale,
-        scale * _LOG2E,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        UPCAST=upcast,
-        DOT_PRECISION=precision,
-        num_warps=blocks.num_warps,
-        num_stages=blocks.num_stages,
-    )
+    _bwd_kernel[(triton.cdiv(sk, block_n), batch * hkv)](
+        k, v, q, dout, lse, delta, dk, dv,
+        *dk.stride(), *k.stride(), *v.stride(), *q.stride(), *dout.stride(), *lse.stride(),
+        hkv, *sizes,
+        BLOCK_HOME=block_n, BLOCK_VISIT=block_m, KEY_HOME=True, **options,
+    )  # fmt: skip
     block_m, block_n = blocks.dq
-    _bwd_dq_kernel[(triton.cdiv(sq, block_m), batch * hq)](
-        q,
-        k,
-        v,
-        dout,
-        lse,
-        delta,
-        dq,
-        *dq.stride(),
-        *common,
-        sq,
-        sk,
-        hq,
-        hq // hkv,
-        head_dim,
-        left,
-        right,
-        scale,
-        scale * _LOG2E,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        UPCAST=upcast,
-        DOT_PRECISION=precision,
-        num_warps=blocks.num_warps,
-        num_stages=blocks.num_stages,
-    )
+    _bwd_kernel[(triton.cdiv(sq, block_m), batch * hq)](
+        q, dout, k, v, lse, delta, dq, dq,  # GY: unused by the dQ kernel
+        *dq.stride(), *q.stride(), *dout.stride(), *k.stride(), *v.stride(), *lse.stride(),
+        hq, *sizes,
+        BLOCK_HOME=block_m, BLOCK_VISIT=block_n, KEY_HOME=False, **options,
+    )  # fmt: skip
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -7,9 +7,11 @@ and ``ms_kernels.rms_norm.rms_norm_reference``.
 
 RMSNorm is LayerNorm without the centring and the bias (``IS_RMS``), so both share
 these kernels. They load in the input dtype, compute in fp32 and store in the input
-dtype. Weight and bias gradients are reduced without atomics: each backward program
-accumulates its rows into its own row of a partial buffer, and the partials are
-summed afterwards, so results are bitwise reproducible.
+dtype; with a residual of another dtype, the sum and the output are stored in the
+dtype torch promotes the two to (``torch.promote_types``). Weight and bias gradients
+are reduced without atomics: each backward program accumulates its rows into its own
+row of a partial buffer, and the partials are summed afterwards, so results are
+bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -172,8 +174,11 @@ class _NormFn(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         rows, n = x.shape
         block = triton.next_power_of_2(n)
-        y = torch.empty_like(x)
-        s = torch.empty_like(x) if residual is not None else x
+        # The sum, and so the output, take torch's promoted dtype of x and residual,
+        # as ``x + residual`` does on the torch backend.
+        s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        y = torch.empty(x.shape, dtype=s_dtype, device=x.device)
+        s = torch.empty_like(y) if residual is not None else x
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         if rows > 0:
@@ -202,6 +207,8 @@ class _NormFn(torch.autograd.Function):
             )
         ctx.save_for_backward(s, weight, mean, rstd)
         ctx.has_residual = residual is not None
+        ctx.x_dtype = x.dtype
+        ctx.residual_dtype = residual.dtype if residual is not None else None
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.is_rms = is_rms
@@ -254,9 +261,11 @@ class _NormFn(torch.autograd.Function):
             )
         dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
         db = db_part.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
+        # dx is the gradient of s; each addend gets it in its own dtype, as autograd
+        # gives it through a promoting ``x + residual``.
         return (
-            dx,
-            dx if ctx.has_residual else None,
+            dx.to(ctx.x_dtype),
+            dx.to(ctx.residual_dtype) if ctx.has_residual else None,
             dw,
             db,
             None,

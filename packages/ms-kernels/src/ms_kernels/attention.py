@@ -1,25 +1,40 @@
 """Sliding-window attention: flash-attn, a Triton kernel, and a chunked O(S*W) torch path.
 
-Layout and window follow flash-attn, so that code written against ``flash_attn_func``
-ports without edits. Tensors are (batch, seqlen, heads, head_dim); ``k`` and ``v`` may
-have fewer heads than ``q`` (grouped-query attention: query head ``h`` reads kv head
-``h // (Hq // Hkv)``). ``window=(left, right)`` is inclusive and bottom-right
-aligned: with ``Sq`` queries and ``Sk`` keys, query ``i`` attends to the keys ``j``
-with ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``. ``None`` on a side means
-unbounded (flash-attn writes -1); ``causal=True`` is ``right = 0``. A Hugging Face
-style window of ``W`` tokens, the current one included, is ``(W - 1, 0)``: use
-``hf_window(W)``, because that off-by-one has bitten several projects.
+The call follows flash-attn's ``flash_attn_func(q, k, v, dropout_p, softmax_scale,
+causal, window_size, ..., deterministic)``: same positional order, same keywords for
+those, same layout and the same window rules, so such calls port without edits
+(``softcap``, ``alibi_slopes`` and ``return_attn_probs`` are not taken: TypeError).
+Tensors are (batch, seqlen, heads, head_dim); ``k`` and ``v`` may have fewer heads
+than ``q`` (grouped-query attention: query head ``h`` reads kv head
+``h // (Hq // Hkv)``). A window ``(left, right)`` is inclusive and bottom-right aligned:
+with ``Sq`` queries and ``Sk`` keys, query ``i`` attends to the keys ``j`` with
+``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; ``causal=True`` is ``right = 0``.
+
+Two ways to give it. ``window_size=(left, right)`` is flash-attn's, read by its rules
+(``_flash_window``): -1 is unbounded, ``causal`` overrides the right side, and a -1
+beside a bounded side means ``Sk``. ``window=(left, right)`` is ours, taken as written,
+with ``None`` or -1 for an unbounded side; ``causal=True`` beside a window that reaches
+right is an error there. A Hugging Face style window of ``W`` tokens, the current one
+included, is ``(W - 1, 0)``: use ``hf_window(W)``, because that off-by-one has bitten
+several projects.
+
+``dropout_p`` drops attention weights after the softmax and scales the survivors by
+``1 / (1 - p)``, as flash-attn does; the torch path draws its masks from the default
+generator of the inputs' device (so ``torch.manual_seed`` governs them) and redraws
+them in the backward from a saved seed. The Triton kernel has no dropout and refuses
+``dropout_p > 0``.
 
 A query whose window holds no key (possible when ``Sq > Sk``, or with ``(0, 0)``
 windows off the diagonal) gets a zero output and zero gradients, as in flash-attn;
-SDPA with a boolean mask gives NaN there instead.
+SDPA with a boolean mask gives NaN there instead. Keys that no query of a block (or
+chunk) attends are never read, so NaN or inf there cannot reach any result.
 
-Backends, chosen per call: ``"flash"`` (flash-attn's ``flash_attn_func`` with
-``window_size``; CUDA, fp16/bf16), ``"triton"`` (our FlashAttention-2 style kernel,
-which skips key blocks outside the window in both passes), ``"torch"`` (query
-chunks against only the keys their window can reach, with a hand-written backward
-that recomputes the scores, so memory is O(S*W) in both passes, not O(S^2)).
-``"auto"`` takes flash, then Triton, on CUDA, and torch elsewhere.
+Backends, chosen per call: ``"flash"`` (flash-attn's ``flash_attn_func``; CUDA,
+fp16/bf16), ``"triton"`` (our FlashAttention-2 style kernel, which skips key blocks
+outside the window in both passes), ``"torch"`` (query chunks against only the keys
+their window can reach, with a hand-written backward that recomputes the scores, so
+memory is O(S*W) in both passes, not O(S^2)). ``"auto"`` takes flash, then Triton, on
+CUDA, and torch elsewhere.
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -64,24 +80,36 @@ def hf_window(tokens: int) -> tuple[int, int]:
     return (tokens - 1, 0)
 
 
+def _check_window_pair(name: str, window: object) -> tuple[int | None, int | None]:
+    """``window`` as a ``(left, right)`` pair of ints ``>= 0``, -1 or None; -1 becomes None."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"{name} must be (left, right), got {window!r}")
+    sides: list[int | None] = []
+    for side, value in zip(("left", "right"), window, strict=True):
+        if value is None or (type(value) is int and value == -1):
+            sides.append(None)
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"{name} must be (left, right) with {side} an int >= 0, or -1 or None for "
+                f"unbounded, got {tuple(window)!r}"
+            )
+        sides.append(value)
+    return sides[0], sides[1]
+
+
 def _normalize_window(
     window: Sequence[int | None] | None, causal: bool
 ) -> tuple[int | None, int | None]:
-    """``(left, right)`` with ``None`` for an unbounded side, causality folded in."""
+    """ms-kernels' ``window=``: ``(left, right)`` with ``None`` for an unbounded side.
+
+    The window is taken as written: ``-1`` (or ``None``) is unbounded, whatever the
+    lengths, and ``causal=True`` beside a window that reaches right is refused.
+    """
     if window is None:
         left, right = None, None
     else:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(f"window must be (left, right) or None, got {window!r}")
-        left, right = window
-        for side, value in (("left", left), ("right", right)):
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"window must be (left, right) with {side} an int >= 0 or None (unbounded; "
-                    f"flash-attn's -1), got {tuple(window)!r}"
-                )
+        left, right = _check_window_pair("window", window)
     if causal:
         if right not in (None, 0):
             raise ValueError(
@@ -92,19 +120,79 @@ def _normalize_window(
     return left, right
 
 
+def _flash_window(
+    window_size: Sequence[int], causal: bool, sq: int, sk: int
+) -> tuple[int | None, int | None]:
+    """flash-attn's ``window_size=`` read the way flash-attn 2 reads it (flash_api.cpp).
+
+    A side ``>= Sk`` becomes -1; ``causal`` forces right to 0 (even over a wider right
+    side: transformers passes ``(W, W)`` with ``causal=True``); and when exactly one side
+    is -1 it is set to ``Sk``. That last rule bounds an "unbounded" right side at Sk
+    keys, which differs from unbounded when ``Sq > Sk + 1``; we follow flash-attn.
+    """
+    left, right = _check_window_pair("window_size", window_size)
+    if left is not None and left >= sk:
+        left = None
+    if right is not None and right >= sk:
+        right = None
+    if causal:
+        right = 0
+    if left is None and right is not None:
+        return None, right  # flash-attn's left = Sk reaches key 0 from every query
+    if left is not None and right is None:
+        return left, sk
+    return left, right
+
+
+def _canonical(
+    left: int | None, right: int | None, sq: int, sk: int
+) -> tuple[int | None, int | None]:
+    """The same mask with every side that reaches past the sequence written as None."""
+    if left is not None and left >= sk - 1:
+        left = None
+    if right is not None and right >= sq - 1:
+        right = None
+    return left, right
+
+
+_UNSET_WINDOW_SIZE = (-1, -1)
+
+
+def _resolve_window(
+    window: Sequence[int | None] | None,
+    window_size: Sequence[int] | None,
+    causal: bool,
+    sq: int,
+    sk: int,
+) -> tuple[int | None, int | None]:
+    """``(left, right)`` from whichever of ``window`` / ``window_size`` the caller used."""
+    if window_size is not None and window is not None:
+        _check_window_pair("window_size", window_size)
+        if tuple(window_size) != _UNSET_WINDOW_SIZE:
+            raise ValueError(
+                f"pass window (ms-kernels' convention) or window_size (flash-attn's), not "
+                f"both; got window={window!r} and window_size={window_size!r}"
+            )
+    if window is None and window_size is not None:
+        return _flash_window(window_size, causal, sq, sk)
+    return _normalize_window(window, causal)
+
+
 def window_mask(
     sq: int,
     sk: int,
     window: Sequence[int | None] | None = None,
     *,
     causal: bool = False,
+    window_size: Sequence[int] | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Boolean ``(sq, sk)`` mask, True where a query may attend to a key.
 
     The O(Sq*Sk) definition of the window, for references and for SDPA baselines.
+    ``window_size`` reads a flash-attn window instead, by flash-attn's rules.
     """
-    left, right = _normalize_window(window, causal)
+    left, right = _resolve_window(window, window_size, causal, sq, sk)
     i = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
     j = torch.arange(sk, device=device).unsqueeze(0)
     allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
@@ -123,16 +211,18 @@ def attention_reference(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window_size: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Attention with a full ``(Sq, Sk)`` mask, in the inputs' dtype: the definition.
 
-    O(S^2) memory. Queries with no key in their window get zeros (not SDPA's NaN).
+    O(S^2) memory, no dropout. Queries with no key in their window get zeros (not
+    SDPA's NaN). ``window_size`` takes a flash-attn window instead of ``window``.
     """
     scale = _check_inputs(q, k, v, softmax_scale)
     sq, hq = q.shape[1], q.shape[2]
     sk, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
-    allowed = window_mask(sq, sk, window, causal=causal, device=q.device)
+    allowed = window_mask(sq, sk, window, causal=causal, window_size=window_size, device=q.device)
     qh = q.transpose(1, 2)  # (B, Hq, Sq, D)
     kh = k.transpose(1, 2).repeat_interleave(group, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
@@ -245,8 +335,11 @@ class _ChunkedAttention(torch.autograd.Function):
         right: int,
         scale: float,
         chunk: int,
+        dropout_p: float,
+        seed: int,
     ) -> torch.Tensor:
         st = _ChunkState(q, k, left, right)
+        drop = _Dropout(dropout_p, seed, q.device)
         ct = _compute_dtype(q.dtype)
         out = torch.empty(st.b, st.sq, st.hq, st.d, dtype=q.dtype, device=q.device)
         lse = torch.full((st.b, st.hkv, st.group, st.sq), float("inf"), dtype=ct, device=q.device)
@@ -264,19 +357,23 @@ class _ChunkedAttention(torch.autograd.Function):
             row_max = torch.where(torch.isinf(row_max), 0.0, row_max)
             probs = scores.sub_(row_max).exp_()
             total = probs.sum(dim=-1, keepdim=True)
+            if drop.active:
+                probs.mul_(drop.next_mask(probs))  # after the sum: lse is dropout's
             o = (probs @ vh[:, :, lo:hi]) / torch.where(total > 0, total, 1.0)
             out5[:, :, :, a:b] = o.view(st.b, st.hkv, st.group, b - a, st.d)
             row_lse = torch.where(total > 0, row_max + total.log(), float("inf"))
             lse[:, :, :, a:b] = row_lse.view(st.b, st.hkv, st.group, b - a)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.config = (left, right, scale, chunk)
+        ctx.config = (left, right, scale, chunk, dropout_p, seed)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        left, right, scale, chunk = ctx.config
+        left, right, scale, chunk, dropout_p, seed = ctx.config
         st = _ChunkState(q, k, left, right)
+        # The same seed and the same chunks, in the same order: the forward's masks again.
+        drop = _Dropout(dropout_p, seed, q.device)
         ct = lse.dtype
         kh, vh = k.transpose(1, 2).to(ct), v.transpose(1, 2).to(ct)
         q5, do5, o5 = st.heads(q), st.heads(dout), st.heads(out)
@@ -298,9 +395,17 @@ class _ChunkedAttention(torch.autograd.Function):
             probs = scores.sub_(row_lse).exp_()
             do = do5[:, :, :, a:b].to(ct).reshape(st.b, st.hkv, rows_n, st.d)
             o = o5[:, :, :, a:b].to(ct).reshape(st.b, st.hkv, rows_n, st.d)
-            delta = (do * o).sum(dim=-1, keepdim=True)  # rowsum(dO * O) = sum_j P dP
-            dvh[:, :, lo:hi] += probs.transpose(-1, -2) @ do
-            dscores = (do @ vh[:, :, lo:hi].transpose(-1, -2)).sub_(delta).mul_(probs)
+            # rowsum(dO * O) = sum_j P dP, dropout or not: O already holds the dropped P.
+            delta = (do * o).sum(dim=-1, keepdim=True)
+            dpv = do @ vh[:, :, lo:hi].transpose(-1, -2)
+            if drop.active:
+                # out = (P * Z) V with Z = keep / (1 - p): dV sees P * Z, dP sees dO V^T * Z.
+                keep = drop.next_mask(probs)
+                dvh[:, :, lo:hi] += (probs * keep).transpose(-1, -2) @ do
+                dpv.mul_(keep)
+            else:
+                dvh[:, :, lo:hi] += probs.transpose(-1, -2) @ do
+            dscores = dpv.sub_(delta).mul_(probs)
             dscores.mul_(scale)
             dq5[:, :, :, a:b] = (dscores @ kh[:, :, lo:hi]).view(
                 st.b, st.hkv, st.group, b - a, st.d
@@ -314,7 +419,37 @@ class _ChunkedAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            None,
         )
+
+
+class _Dropout:
+    """Dropout masks of the chunked path, one per visited chunk, from one seed.
+
+    A chunk's mask is drawn when the chunk is visited, so the backward, visiting the
+    same chunks in the same order from the same seed, redraws exactly the forward's
+    masks without storing them (memory stays O(chunk * window)).
+    """
+
+    def __init__(self, p: float, seed: int, device: torch.device) -> None:
+        self.active = p > 0
+        self.p = p
+        self.gen: torch.Generator | None = None
+        if self.active:
+            self.gen = torch.Generator(device=device)
+            self.gen.manual_seed(seed)
+
+    def next_mask(self, like: torch.Tensor) -> torch.Tensor:
+        """``keep / (1 - p)`` shaped like ``like``: 0 with probability p (as flash-attn)."""
+        draw = torch.rand(like.shape, generator=self.gen, dtype=like.dtype, device=like.device)
+        return draw.ge_(self.p).to(like.dtype).mul_(1.0 / (1.0 - self.p))
+
+
+def _dropout_seed(device: torch.device) -> int:
+    """A seed from the default generator of ``device``: ``torch.manual_seed`` governs it,
+    as it governs flash-attn's dropout."""
+    return int(torch.randint(0, 2**62, (), device=device).item())
 
 
 def _torch_attention(
@@ -325,8 +460,12 @@ def _torch_attention(
     right: int,
     scale: float,
     chunk: int = _TORCH_CHUNK,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    out: torch.Tensor = _ChunkedAttention.apply(q, k, v, left, right, scale, chunk)  # type: ignore[no-untyped-call]
+    seed = _dropout_seed(q.device) if dropout_p > 0 else 0
+    out: torch.Tensor = _ChunkedAttention.apply(  # type: ignore[no-untyped-call]
+        q, k, v, left, right, scale, chunk, dropout_p, seed
+    )
     return out
 
 
@@ -383,8 +522,10 @@ def _flash_attn_func() -> Callable[..., torch.Tensor] | None:
     return fn
 
 
-def _flash_can_run(q: torch.Tensor) -> str | None:
-    """Why flash-attn cannot run on ``q`` (None when it can)."""
+def _flash_can_run(
+    q: torch.Tensor, k: torch.Tensor, left: int | None, right: int | None
+) -> str | None:
+    """Why flash-attn cannot run on ``q`` with this window (None when it can)."""
     if _flash_attn_func() is None:
         return (
             "flash-attn >= 2.3 is not installed: pip install 'ms-kernels[flash]' "
@@ -396,13 +537,34 @@ def _flash_can_run(q: torch.Tensor) -> str | None:
         return f"flash-attn needs float16 or bfloat16 tensors, got {q.dtype}"
     if q.shape[3] > _FLASH_MAX_HEAD_DIM:
         return f"flash-attn supports head_dim <= {_FLASH_MAX_HEAD_DIM}, got {q.shape[3]}"
+    sq, sk = q.shape[1], k.shape[1]
+    if not _flash_expresses(left, right, sq, sk):
+        return (
+            f"flash-attn cannot express window {(left, right)} with seqlen_q {sq} > "
+            f"seqlen_k {sk} + 1 (it bounds a right side >= seqlen_k at seqlen_k)"
+        )
     return None
 
 
-def _triton_can_run(q: torch.Tensor) -> str | None:
+def _to_flash_window(left: int | None, right: int | None) -> tuple[int, int]:
+    return (-1 if left is None else left, -1 if right is None else right)
+
+
+def _flash_expresses(left: int | None, right: int | None, sq: int, sk: int) -> bool:
+    """Whether flash-attn, given ``_to_flash_window(left, right)``, masks exactly this window."""
+    as_flash = _flash_window(_to_flash_window(left, right), False, sq, sk)
+    return _canonical(*as_flash, sq, sk) == _canonical(left, right, sq, sk)
+
+
+def _triton_can_run(q: torch.Tensor, dropout_p: float) -> str | None:
     """Why our Triton kernel cannot run on ``q`` (None when it can)."""
     if not triton_available():
         return None  # resolve_backend raises with the install hint
+    if dropout_p > 0:
+        return (
+            f"the Triton kernel has no dropout, got dropout_p={dropout_p} (use "
+            "backend='flash' or 'torch', or dropout_p=0.0)"
+        )
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the Triton kernel takes float16, bfloat16 or float32, got {q.dtype}"
     if q.shape[3] > _triton_max_head_dim():
@@ -413,11 +575,18 @@ def _triton_can_run(q: torch.Tensor) -> str | None:
     return None
 
 
-def _pick_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+def _pick_backend(
+    backend: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: tuple[int | None, int | None] = (None, None),
+    dropout_p: float = 0.0,
+) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "flash":
-        reason = _flash_can_run(q)
+        reason = _flash_can_run(q, k, *window)
         if reason is not None:
             raise (RuntimeError if _flash_attn_func() is None else ValueError)(
                 f"backend='flash': {reason}"
@@ -426,46 +595,87 @@ def _pick_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if backend == "auto":
         if not q.is_cuda:
             return "torch"
-        if _flash_can_run(q) is None:
+        if _flash_can_run(q, k, *window) is None:
             return "flash"
-        if resolve_backend("auto", q, k, v) == "triton" and _triton_can_run(q) is None:
+        if resolve_backend("auto", q, k, v) == "triton" and _triton_can_run(q, dropout_p) is None:
             return "triton"
         return "torch"
     if backend == "triton":
         resolve_backend("triton", q, k, v)  # raises when Triton cannot run here
-        reason = _triton_can_run(q)
+        reason = _triton_can_run(q, dropout_p)
         if reason is not None:
             raise ValueError(f"backend='triton': {reason}")
     return backend
+
+
+def _check_dropout(dropout_p: object) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(
+            f"dropout_p must be a float in [0, 1), got {dropout_p!r} (the window goes in "
+            "window= or, flash-attn's way, window_size=)"
+        )
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
 
 
 def sliding_window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    window: Sequence[int | None] | None = None,
-    *,
-    causal: bool = False,
+    # A window here is the pre-0.1.1 call, read with a FutureWarning until 0.2.
+    dropout_p: float | Sequence[int | None] | None = 0.0,
     softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    *,
+    window: Sequence[int | None] | None = None,
+    deterministic: bool = False,
     backend: AttentionBackend = "auto",
 ) -> torch.Tensor:
     """Softmax attention of ``q`` over the keys inside each query's window.
 
+    The positional arguments are flash-attn's ``flash_attn_func``'s, in its order.
+
     Args:
         q: (batch, seqlen_q, heads_q, head_dim).
         k, v: (batch, seqlen_k, heads_kv, head_dim), ``heads_q % heads_kv == 0``.
-        window: ``(left, right)`` inclusive, flash-attn's convention (module docstring);
-            ``None`` on a side, or for the whole window, means unbounded.
-        causal: no keys to the right (``right = 0``), bottom-right aligned.
+        dropout_p: probability of dropping each attention weight (the survivors are
+            scaled by ``1 / (1 - p)``), as flash-attn; pass 0.0 in evaluation. Draws
+            from the default generator of the inputs' device. Not on ``"triton"``.
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        causal: no keys to the right (``right = 0``), bottom-right aligned.
+        window_size: flash-attn's ``(left, right)``, ``-1`` for unbounded, read by
+            flash-attn's rules (``_flash_window``); ``causal`` overrides its right side.
+        window: ms-kernels' ``(left, right)`` instead (module docstring): taken as
+            written, ``None`` or ``-1`` unbounded; give one of the two.
+        deterministic: flash-attn's switch for a deterministic backward; the Triton
+            and torch paths always are.
         backend: ``"auto"``, ``"flash"``, ``"triton"`` or ``"torch"``.
 
     Returns:
         (batch, seqlen_q, heads_q, head_dim) in ``q``'s dtype.
     """
+    if dropout_p is None or isinstance(dropout_p, (tuple, list)):
+        # Before 0.1.1 the fourth positional argument was the window; read it as one
+        # for a release, loudly, since flash-attn's order puts dropout_p there.
+        if window is not None:
+            raise TypeError(f"dropout_p must be a float, got {dropout_p!r} (and window={window!r})")
+        warnings.warn(
+            "sliding_window_attention: a window as the fourth positional argument is "
+            "deprecated and will be refused in 0.2; that place is flash-attn's dropout_p. "
+            f"Pass window={dropout_p!r}",
+            FutureWarning,
+            stacklevel=2,
+        )
+        window, dropout_p = dropout_p, 0.0
+    p = _check_dropout(dropout_p)
     scale = _check_inputs(q, k, v, softmax_scale)
-    left, right = _normalize_window(window, causal)
-    chosen = _pick_backend(backend, q, k, v)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    sq, sk = q.shape[1], k.shape[1]
+    left, right = _resolve_window(window, window_size, causal, sq, sk)
+    chosen = _pick_backend(backend, q, k, v, (left, right), p)
     if chosen == "flash":
         flash = _flash_attn_func()
         assert flash is not None
@@ -473,40 +683,52 @@ def sliding_window_attention(
             q,
             k,
             v,
-            dropout_p=0.0,
+            dropout_p=p,
             softmax_scale=scale,
-            causal=causal,
-            window_size=(-1 if left is None else left, -1 if right is None else right),
+            causal=False,  # folded into the window, which _flash_can_run checked
+            window_size=_to_flash_window(left, right),
+            deterministic=deterministic,
         )
     # The kernels take plain ints: a side wider than both sequences is unbounded.
-    unbounded = q.shape[1] + k.shape[1]
+    unbounded = sq + sk
     left_i = unbounded if left is None else min(left, unbounded)
     right_i = unbounded if right is None else min(right, unbounded)
     if chosen == "triton":
         out: torch.Tensor = _TritonAttention.apply(q, k, v, left_i, right_i, scale)  # type: ignore[no-untyped-call]
         return out
-    return _torch_attention(q, k, v, left_i, right_i, scale)
+    return _torch_attention(q, k, v, left_i, right_i, scale, dropout_p=p)
 
 
 class SlidingWindowAttention(nn.Module):
     """``sliding_window_attention`` as a module (no parameters): ``forward(q, k, v)``.
 
-    Validates its window on construction, so a bad config fails before the first step.
+    Validates its arguments on construction, so a bad config fails before the first
+    step. ``dropout_p`` applies in training mode only (``model.eval()`` turns it off).
     """
 
     def __init__(
         self,
         window: Sequence[int | None] | None = None,
         *,
+        window_size: Sequence[int] | None = None,
         causal: bool = False,
         softmax_scale: float | None = None,
+        dropout_p: float = 0.0,
         backend: AttentionBackend = "auto",
     ) -> None:
         super().__init__()
-        left, right = _normalize_window(window, causal)
+        if window_size is not None:
+            if window is not None:
+                _resolve_window(window, window_size, causal, 0, 0)  # raises: both given
+            _check_window_pair("window_size", window_size)
+            self.window_size: tuple[int, int] | None = (int(window_size[0]), int(window_size[1]))
+            self.window: tuple[int | None, int | None] | None = None
+        else:
+            self.window_size = None
+            self.window = _normalize_window(window, causal)
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        self.window = (left, right)
+        self.dropout_p = _check_dropout(dropout_p)
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.backend: AttentionBackend = backend
@@ -516,11 +738,18 @@ class SlidingWindowAttention(nn.Module):
             q,
             k,
             v,
-            self.window,
-            causal=self.causal,
-            softmax_scale=self.softmax_scale,
+            self.dropout_p if self.training else 0.0,
+            self.softmax_scale,
+            self.causal,
+            self.window_size if self.window_size is not None else _UNSET_WINDOW_SIZE,
+            window=self.window,
             backend=self.backend,
         )
 
     def extra_repr(self) -> str:
-        return f"window={self.window}, causal={self.causal}, backend={self.backend!r}"
+        if self.window_size is not None:
+            shown = f"window_size={self.window_size}"
+        else:
+            shown = f"window={self.window}"
+        rest = f"causal={self.causal}, dropout_p={self.dropout_p}, backend={self.backend!r}"
+        return f"{shown}, {rest}"

@@ -5,7 +5,7 @@ Three layers, as in Liger-Kernel: Triton kernels wrapped in a
 Triton backend runs); the functional ``layer_norm`` / ``add_layer_norm``;
 the ``LayerNorm`` module, a drop-in for ``torch.nn.LayerNorm``. The torch reference
 with identical semantics is ``layer_norm_reference`` / ``add_layer_norm_reference``
-(``F.layer_norm``, after ``x + residual`` rounded to the input dtype); the ``torch``
+(``F.layer_norm`` of ``x + residual``, in the dtype torch promotes the two to); the ``torch``
 backend runs it.
 
 The kernels also serve ``ms_kernels.rms_norm``: RMSNorm is LayerNorm without the
@@ -113,7 +113,7 @@ def add_layer_norm_reference(
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of ``add_layer_norm``: ``s = x + residual`` in x's dtype."""
+    """The torch reference of ``add_layer_norm``: ``s = x + residual``, then ``layer_norm(s)``."""
     s = x + residual
     return F.layer_norm(s, tuple(normalized_shape), weight, bias, eps), s
 
@@ -153,8 +153,10 @@ def add_layer_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``s = x + residual; y = layer_norm(s)``; returns ``(y, s)``.
 
-    ``s`` is rounded to x's dtype before it is normalized, as the reference does.
-    Gradients reach both ``x`` and ``residual``, including those flowing into ``s``.
+    ``s`` has the dtype torch promotes ``x`` and ``residual`` to (``torch.promote_types``:
+    float16 + float16 is float16, bfloat16 + float32 is float32), on both backends, and
+    is rounded to it before it is normalized; ``y`` has that dtype too. Gradients reach
+    both ``x`` and ``residual``, each in its own dtype, including those flowing into ``s``.
     """
     n = _normalized_size(x, normalized_shape)
     _check_residual(x, residual)

@@ -4,10 +4,14 @@ Three layers, as in Liger-Kernel: the Triton kernels and their autograd Function
 are shared with LayerNorm (``ms_kernels.layer_norm``, ``IS_RMS=True``: no centring,
 no bias); the functional ``rms_norm`` / ``add_rms_norm``; the ``RMSNorm`` module, a
 drop-in for ``torch.nn.RMSNorm``. The torch reference with identical semantics is
-``rms_norm_reference`` / ``add_rms_norm_reference`` (``F.rms_norm``, after
-``x + residual`` rounded to the input dtype); the ``torch`` backend runs it.
+``rms_norm_reference`` / ``add_rms_norm_reference`` (``F.rms_norm`` of
+``x + residual``, in the dtype torch promotes the two to); the ``torch`` backend runs it.
 
-``eps=None`` means ``torch.finfo(x.dtype).eps``, as ``torch.nn.RMSNorm`` does.
+``eps=None`` means the machine epsilon of the type torch computes in (its "opmath"
+type), as ``torch.nn.RMSNorm`` and ``F.rms_norm`` do: ``torch.finfo(torch.float32).eps``
+for float16, bfloat16 and float32 inputs, ``torch.finfo(torch.float64).eps`` for
+float64. Not the input dtype's own epsilon: float16's (9.8e-4) and bfloat16's
+(7.8e-3) would swamp the mean square of small activations.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ __all__ = [
 
 
 def _eps(x: torch.Tensor, eps: float | None) -> float:
-    return torch.finfo(x.dtype).eps if eps is None else float(eps)
+    """The epsilon ``F.rms_norm`` uses for ``x``: see the module docstring."""
+    if eps is not None:
+        return float(eps)
+    opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.finfo(opmath).eps
 
 
 def rms_norm_reference(
@@ -55,7 +63,7 @@ def add_rms_norm_reference(
     weight: torch.Tensor | None = None,
     eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of ``add_rms_norm``: ``s = x + residual`` in x's dtype."""
+    """The torch reference of ``add_rms_norm``: ``s = x + residual``, then ``rms_norm(s)``."""
     s = x + residual
     return F.rms_norm(s, tuple(normalized_shape), weight, eps), s
 
@@ -92,8 +100,10 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``s = x + residual; y = rms_norm(s)``; returns ``(y, s)``.
 
-    ``s`` is rounded to x's dtype before it is normalized, as the reference does.
-    Gradients reach both ``x`` and ``residual``, including those flowing into ``s``.
+    ``s`` has the dtype torch promotes ``x`` and ``residual`` to (``torch.promote_types``:
+    float16 + float16 is float16, bfloat16 + float32 is float32), on both backends, and
+    is rounded to it before it is normalized; ``y`` has that dtype too. Gradients reach
+    both ``x`` and ``residual``, each in its own dtype, including those flowing into ``s``.
     """
     n = _normalized_size(x, normalized_shape)
     _check_residual(x, residual)

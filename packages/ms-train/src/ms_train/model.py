@@ -136,7 +136,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.n_heads, self.head_dim).unbind(2)
-        out = sliding_window_attention(q, k, v, self.window, causal=True, backend=self.backend)
+        out = sliding_window_attention(
+            q, k, v, window=self.window, causal=True, backend=self.backend
+        )
         return self.drop(self.proj(out.reshape(b, s, d)))  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
