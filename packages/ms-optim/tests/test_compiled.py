@@ -67,3 +67,43 @@ def test_compiled_falls_back_for_non_contiguous_params(reference: Any, ref_confi
     opt.step()
     want = reference([weight], [[g]], [ref_config(lr=0.05)], [0])
     torch.testing.assert_close(p.detach().double(), want[0], rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_many_configurations_in_one_process_do_not_exhaust_recompiles() -> None:
+    # Each combination of switches used to be a recompile of the same function;
+    # past dynamo's limit (8) fullgraph=True made the ninth a hard error.
+    gen = torch.Generator().manual_seed(3)
+    weights = [torch.randn(s, generator=gen) for s in [(5, 7), (33,)]]
+    grads = [[torch.randn(w.shape, generator=gen) for w in weights] for _ in range(2)]
+    configs = [
+        {
+            "bias_correction": bc,
+            "decoupled_weight_decay": dec,
+            "decay_in_update": in_update,
+            "max_grad_norm": clip,
+            "step_size_bias_correction": step_size,
+            "weight_decay": 0.1,
+        }
+        for bc in (True, False)
+        for dec, in_update in ((True, True), (True, False), (False, True))
+        for clip in (None, 0.5)
+        for step_size in (False, True)
+    ]
+    assert len(configs) == 24
+    for kwargs in configs:
+        finals = []
+        for impl in ("compiled", "foreach"):
+            params = [w.clone().requires_grad_() for w in weights]
+            opt = Lamb(params, lr=0.05, impl=impl, **kwargs)  # type: ignore[arg-type]
+            if impl == "compiled":
+                opt._impl = CompiledImpl(min_numel=1)
+            for row in grads:
+                for p, g in zip(params, row, strict=True):
+                    p.grad = g
+                opt.step()
+            finals.append([p.detach() for p in params])
+        for a, b in zip(*finals, strict=True):
+            torch.testing.assert_close(
+                a, b, rtol=2e-6, atol=2e-6, msg=lambda m, k=kwargs: f"{k}: {m}"
+            )

@@ -18,8 +18,18 @@ SHAPES = [(), (1,), (7,), (3, 5), (2, 9), (64,), (5,)]
 STEPS = 21
 
 
-@pytest.mark.parametrize("tile", [7, 3, None])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    ("tile", "dtype"),
+    [
+        (7, torch.float32),
+        (None, torch.float32),
+        (None, torch.float64),
+        # Tiny tiles mean many small ops: seconds each.
+        pytest.param(7, torch.float64, marks=pytest.mark.slow),
+        pytest.param(3, torch.float64, marks=pytest.mark.slow),
+        pytest.param(3, torch.float32, marks=pytest.mark.slow),
+    ],
+)
 def test_tiled_foreach_matches_reference(
     reference: Any, ref_config: Any, tile: int | None, dtype: torch.dtype
 ) -> None:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from ms_optim import Lamb
 
 STEPS = 21
-IMPLS = ["single", "foreach"]
+IMPLS = ["single", "foreach", "auto"]
 # Float64 paths must agree to round-off; float32 to about 1e-6 relative.
 TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-12}, torch.float32: {"rtol": 2e-6, "atol": 2e-6}}
 

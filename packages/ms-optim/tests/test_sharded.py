@@ -25,9 +25,22 @@ GROUP_KWARGS = [
     {"weight_decay": 0.1, "trust_ratio_bounds": (0.01, 10.0)},
     {"weight_decay": 0.0, "layer_adaptation": False, "bias_correction": False},
 ]
+# The peers' switches: decay on the weights (its ||w|| is scaled, not measured),
+# group step counting (parameter 5 skips steps), step-size bias correction.
+PEER_KWARGS = [
+    {
+        "weight_decay": 0.1,
+        "trust_ratio_bounds": (0.01, 10.0),
+        "decay_in_update": False,
+        "step_count": "group",
+        "grad_averaging": False,
+    },
+    {"weight_decay": 0.0, "layer_adaptation": False, "step_size_bias_correction": True},
+]
 CASES = {
-    "float64": {"dtype": torch.float64, "max_grad_norm": None},
-    "float32-clipped": {"dtype": torch.float32, "max_grad_norm": 0.1},
+    "float64": {"dtype": torch.float64, "max_grad_norm": None, "groups": GROUP_KWARGS},
+    "float32-clipped": {"dtype": torch.float32, "max_grad_norm": 0.1, "groups": GROUP_KWARGS},
+    "float64-peer-switches": {"dtype": torch.float64, "max_grad_norm": 1.0, "groups": PEER_KWARGS},
 }
 
 
@@ -54,7 +67,7 @@ def group_of(k: int) -> int:
 
 
 def make_lamb(params_by_group: list[list[torch.Tensor]], case: dict[str, Any], **kw: Any) -> Lamb:
-    groups = [{"params": ps, **GROUP_KWARGS[g]} for g, ps in enumerate(params_by_group) if ps]
+    groups = [{"params": ps, **case["groups"][g]} for g, ps in enumerate(params_by_group) if ps]
     return Lamb(groups, lr=0.05, max_grad_norm=case["max_grad_norm"], **kw)
 
 
@@ -108,14 +121,14 @@ def rank_main(cuts: list[int], seed: int) -> dict[str, Any]:
     # A map that claims one element too many for parameter 1 is refused on every rank.
     bad = ShardMap(flat_map.param_ids, [n + (k == 1) for k, n in enumerate(numels)])
     try:
-        Lamb(local_for(flat_map, slices_of(numels, cuts, rank)), shards=bad, process_group=group)
+        Lamb(local_for(slices_of(numels, cuts, rank)), shards=bad, process_group=group)
     except ValueError as e:
         out["bad_map_error"] = str(e)
     # A map whose length does not match the local tensors fails on that rank only;
     # the others must raise too rather than wait.
     short = ShardMap(flat_map.param_ids[:-1], flat_map.numels) if rank == 0 else flat_map
     try:
-        Lamb(local_for(flat_map, slices_of(numels, cuts, rank)), shards=short, process_group=group)
+        Lamb(local_for(slices_of(numels, cuts, rank)), shards=short, process_group=group)
     except ValueError as e:
         out["short_map_error"] = str(e)
     return out
@@ -125,10 +138,23 @@ def slices_of(numels: list[int], cuts: list[int], rank: int) -> list[tuple[int, 
     return ShardMap.from_flat_range(numels, cuts[rank], cuts[rank + 1])[1]
 
 
-def local_for(shards: ShardMap, slices: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+def local_for(slices: list[tuple[int, int, int]]) -> list[torch.Tensor]:
     return [torch.zeros(n, requires_grad=True) for _, _, n in slices]
 
 
+def test_flat_range_map_names_each_slice() -> None:
+    numels = [3, 0, 5, 2]
+    shards, slices = ShardMap.from_flat_range(numels, 2, 9)
+    assert slices == [(0, 2, 1), (2, 0, 5), (3, 0, 1)]
+    assert shards.param_ids == (0, 2, 3) and shards.numels == tuple(numels)
+    shards.check_local([torch.zeros(1), torch.zeros(5), torch.zeros(1)])
+    with pytest.raises(ValueError, match=r"local tensor 1 has 6 elements .*numels\[2\] = 5"):
+        shards.check_local([torch.zeros(1), torch.zeros(6), torch.zeros(1)])
+    with pytest.raises(ValueError, match=r"must satisfy 0 <= start <= stop <= 10, got \[4, 11\)"):
+        ShardMap.from_flat_range(numels, 4, 11)
+
+
+@pytest.mark.slow  # gloo ranks in fresh processes: seconds each
 @pytest.mark.parametrize(
     "cuts",
     [

@@ -35,7 +35,10 @@ def roundtrip(obj: Any) -> Any:
 
 
 @pytest.mark.parametrize("impl", ["single", "foreach"])
-@pytest.mark.parametrize(("dtype", "master"), [(torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize(
+    ("dtype", "master"),
+    [(torch.float32, False), pytest.param(torch.bfloat16, True, marks=pytest.mark.slow)],
+)
 def test_resume_is_bit_identical(impl: str, dtype: torch.dtype, master: bool) -> None:
     kwargs: dict[str, Any] = {
         "lr": 0.01,
@@ -86,7 +89,7 @@ def _trained() -> tuple[nn.Module, Lamb, dict[str, Any]]:
 def test_refuses_another_format() -> None:
     _, opt, sd = _trained()
     sd["ms_optim_format"] = 99
-    with pytest.raises(ValueError, match=r"ms_optim_format.*must be 1.*got 99"):
+    with pytest.raises(ValueError, match=r"ms_optim_format.*must be one of \(1, 2\).*got 99"):
         opt.load_state_dict(sd)
 
 
@@ -116,3 +119,24 @@ def test_refuses_invalid_saved_hyperparameters() -> None:
         ValueError, match=r"param_groups'\]\[0\]\['betas'\]\[0\] must be in \[0, 1\), got 1.5"
     ):
         opt.load_state_dict(sd)
+
+
+def test_format_1_is_written_while_0_1_0_can_honour_it() -> None:
+    _, opt, sd = _trained()
+    assert sd["ms_optim_format"] == 1  # defaults: 0.1.0 loads and honours it
+    opt.param_groups[0]["grad_averaging"] = False
+    assert opt.state_dict()["ms_optim_format"] == 2  # 0.1.0 would ignore the switch
+
+
+def test_state_of_0_1_0_loads_and_takes_the_new_switches_from_the_constructor() -> None:
+    model, _, sd = _trained()
+    for g in sd["param_groups"]:  # as 0.1.0 wrote it: no keys for the 0.2.0 switches
+        for key in ("grad_averaging", "step_size_bias_correction", "decay_in_update", "step_count"):
+            del g[key]
+    resumed = Lamb(model.parameters(), step_count="group")
+    resumed.load_state_dict(sd)
+    assert resumed.param_groups[0]["step_count"] == "group"
+    train(model, resumed, range(2, 3))
+    # Group counting goes on from the parameters' 2 steps.
+    assert resumed.param_groups[0]["group_step"] == 3
+    assert all(int(s["step"].item()) == 3 for s in resumed.state.values())

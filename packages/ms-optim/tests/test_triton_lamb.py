@@ -66,7 +66,11 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize(
+    "name",
+    # Under the interpreter each case takes about a second: one in the fast tier.
+    [n if n == "paper" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(CONFIGS)],
+)
 def test_triton_matches_reference(reference: Any, ref_config: Any, name: str) -> None:
     cfg = ref_config(lr=0.05, **CONFIGS[name])
     weights, grads = problem(1)
@@ -78,6 +82,7 @@ def test_triton_matches_reference(reference: Any, ref_config: Any, name: str) ->
         )
 
 
+@pytest.mark.slow
 def test_triton_low_precision_goes_through_fp32_master(reference: Any, ref_config: Any) -> None:
     weights, grads = problem(2)
     weights = [w.half().float() for w in weights]

@@ -37,6 +37,23 @@ def _p() -> list[torch.Tensor]:
         ({"trust_ratio_bounds": (-1.0, 1.0)}, ValueError, r"trust_ratio_bounds must satisfy"),
         ({"trust_ratio_bounds": 10.0}, ValueError, r"trust_ratio_bounds must be None or a pair"),
         ({"max_grad_norm": 0.0}, ValueError, r"max_grad_norm must be > 0 or None, got 0.0"),
+        ({"grad_averaging": 0}, TypeError, r"grad_averaging must be a bool, got 0"),
+        (
+            {"step_size_bias_correction": "yes"},
+            TypeError,
+            r"step_size_bias_correction must be a bool, got 'yes'",
+        ),
+        (
+            {"decay_in_update": False, "decoupled_weight_decay": False},
+            ValueError,
+            r"decay_in_update=False applies decoupled decay to the weights directly; it needs "
+            r"decoupled_weight_decay=True, got False",
+        ),
+        (
+            {"step_count": "tensor"},
+            ValueError,
+            r"step_count must be one of \('param', 'group'\), got 'tensor'",
+        ),
         ({"impl": "fused"}, ValueError, r"impl must be one of .*got 'fused'"),
         ({"master_weights": 1}, TypeError, r"master_weights must be a bool"),
         ({"shards": ShardMap((0,), (3,))}, ValueError, r"shards and process_group go together"),
@@ -97,3 +114,19 @@ def test_flat_range_slices_parameters() -> None:
     shards, slices = ShardMap.from_flat_range([3, 4, 0, 5], 2, 8)
     assert shards.param_ids == (0, 1, 3)
     assert slices == [(0, 2, 1), (1, 0, 4), (3, 0, 1)]
+
+
+def test_bad_group_step_counter_is_refused() -> None:
+    opt = Lamb(_p(), step_count="group")
+    opt.param_groups[0]["group_step"] = -3
+    with pytest.raises(
+        ValueError, match=r"param_groups\[0\]\['group_step'\] must be an int >= 0.*got -3"
+    ):
+        opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["group_step"] = 1.5
+    with pytest.raises(
+        ValueError,
+        match=r"state_dict\['param_groups'\]\[0\]\['group_step'\] must be an int >= 0, got 1.5",
+    ):
+        opt.load_state_dict(sd)

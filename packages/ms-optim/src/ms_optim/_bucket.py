@@ -5,7 +5,8 @@ other tensors (or other ranks) complete:
 
 1. ``moments``: update m and v, form the update u, return sum(w^2) and sum(u^2)
    per tensor;
-2. ``apply``: w -= lr * trust_ratio * u, once the ratios are known.
+2. ``apply``: w = weight_scale * w - lr * ratio * u, once the ratios are known
+   (``ratio``: the trust ratio, times the step-size bias correction if any).
 
 Between the phases :mod:`ms_optim._lamb` sums the squares per logical parameter
 (one all-reduce when sharded) and calls :func:`trust_ratios`.
@@ -41,6 +42,11 @@ class Bucket:
     bias_corrections2: list[float]
     #: Global-norm clipping factor (0-d tensor), or None when the group does not clip.
     grad_scale: torch.Tensor | None
+    #: Factor on w before the step, 1 - lr wd when decay acts on the weights
+    #: directly (``decay_in_update=False``); 1.0 otherwise. ``apply`` computes
+    #: w = weight_scale w - lr ratio u; ``hyper.weight_decay`` is then 0, so that u
+    #: carries no decay term.
+    weight_scale: float = 1.0
 
 
 class LambImpl(Protocol):
@@ -51,7 +57,7 @@ class LambImpl(Protocol):
         ...
 
     def apply(self, b: Bucket, carry: Any, ratios: torch.Tensor) -> None:
-        """w -= lr * ratios[i] * u_i for every tensor i of the bucket."""
+        """w_i = weight_scale w_i - lr ratios[i] u_i for every tensor i of the bucket."""
         ...
 
 

@@ -37,63 +37,51 @@ import torch
 from ms_optim._bucket import Bucket
 from ms_optim._foreach import ForeachImpl
 
-__all__ = ["CompiledImpl"]
+__all__ = ["MIN_NUMEL", "CompiledImpl"]
+
+#: Tensors smaller than this take the foreach path (see ``CompiledImpl``).
+MIN_NUMEL = 1 << 16
 
 # Slots of the constants tensor handed to the compiled functions. 1 - beta comes
 # in computed in float64: 1 - 0.999 in fp32 is off by 1.7e-5 relative.
-_B1, _B2, _1MB1, _1MB2, _EPS, _WD_L2, _WD_DEC, _BC1, _BC2, _SCALE, _STEP = range(11)
+# The weight of g in m (_1MB1) is 1 without grad averaging; _SHRINK multiplies w
+# before the step when decay acts on the weights directly.
+_B1, _B2, _1MB1, _1MB2, _EPS, _WD_L2, _WD_DEC, _BC1, _BC2, _SCALE, _STEP, _SHRINK = range(12)
 
 
 def _new_state(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    c: torch.Tensor,
-    bias_correction: bool,
-    decoupled: bool,
-    clip: bool,
+    w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """New m, v and the update u; the same expressions in both phases."""
-    if clip:
-        g = g * c[_SCALE]
-    if not decoupled:
-        g = g + c[_WD_L2] * w  # L2: the decay enters the moments
+    """New m, v and the update u; the same expressions in both phases.
+
+    Branch-free: every switch is a value in ``c`` (a factor of 1 or a term of 0,
+    which leave the result unchanged), so one graph serves every configuration.
+    With switches as Python flags, each combination was a recompile of the same
+    function, and a process with a few configurations hit dynamo's recompile limit
+    (8), a hard error under ``fullgraph=True``. The extra multiply-adds cost
+    nothing in a memory-bound loop.
+    """
+    g = g * c[_SCALE] + c[_WD_L2] * w  # clipping; L2 decay enters the moments
     m = m * c[_B1] + g * c[_1MB1]
     v = v * c[_B2] + g * g * c[_1MB2]
-    if bias_correction:
-        u = (m / c[_BC1]) / ((v / c[_BC2]).sqrt() + c[_EPS])
-    else:
-        u = m / (v.sqrt() + c[_EPS])
-    if decoupled:
-        u = u + c[_WD_DEC] * w
+    u = (m / c[_BC1]) / ((v / c[_BC2]).sqrt() + c[_EPS]) + c[_WD_DEC] * w
     return m, v, u
 
 
 def _moments(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    c: torch.Tensor,
-    flags: tuple[bool, bool, bool],
+    w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _, _, u = _new_state(w, g, m, v, c, *flags)
+    _, _, u = _new_state(w, g, m, v, c)
     return (w * w).sum(), (u * u).sum()
 
 
 def _apply(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    c: torch.Tensor,
-    flags: tuple[bool, bool, bool],
+    w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: torch.Tensor
 ) -> None:
-    m_new, v_new, u = _new_state(w, g, m, v, c, *flags)
+    m_new, v_new, u = _new_state(w, g, m, v, c)
     m.copy_(m_new)
     v.copy_(v_new)
-    w.add_(u * c[_STEP])
+    w.copy_(w * c[_SHRINK] + u * c[_STEP])
 
 
 class CompiledImpl:
@@ -107,7 +95,7 @@ class CompiledImpl:
     tensors that overhead, not memory traffic, was most of the step.
     """
 
-    def __init__(self, min_numel: int = 1 << 16) -> None:
+    def __init__(self, min_numel: int = MIN_NUMEL) -> None:
         self.min_numel = min_numel
         self._moments: Callable[..., Any] | None = None
         self._apply: Callable[..., Any] | None = None
@@ -155,7 +143,7 @@ class CompiledImpl:
                 [
                     h.beta1,
                     h.beta2,
-                    1.0 - h.beta1,
+                    h.beta3,
                     1.0 - h.beta2,
                     h.eps,
                     l2,
@@ -164,6 +152,7 @@ class CompiledImpl:
                     c2,
                     1.0,
                     0.0,
+                    b.weight_scale,
                 ]
                 for c1, c2 in zip(b.bias_corrections1, b.bias_corrections2, strict=True)
             ],
@@ -174,11 +163,10 @@ class CompiledImpl:
         # Separate tensors, not row views: views at varying storage offsets made
         # dynamo's guards cost milliseconds per call (torch 2.13).
         rows = [r.clone() for r in consts.unbind(0)]
-        flags = _flags(b)
         w_norms: list[torch.Tensor] = []
         u_norms: list[torch.Tensor] = []
         for w, g, m, v, c in zip(b.weights, b.grads, b.exp_avgs, b.exp_avg_sqs, rows, strict=True):
-            ws, us = moments(w.view(-1), g.view(-1), m.view(-1), v.view(-1), c, flags)
+            ws, us = moments(w.view(-1), g.view(-1), m.view(-1), v.view(-1), c)
             w_norms.append(ws)
             u_norms.append(us)
         return rows, torch.stack(w_norms), torch.stack(u_norms)
@@ -191,7 +179,6 @@ class CompiledImpl:
             return
         _, apply = self._compile()
         steps = (ratios[big] * -b.hyper.lr).tolist()
-        flags = _flags(fused_b)
         for w, g, m, v, c, step in zip(
             fused_b.weights,
             fused_b.grads,
@@ -202,7 +189,7 @@ class CompiledImpl:
             strict=True,
         ):
             c[_STEP] = step
-            apply(w.view(-1), g.view(-1), m.view(-1), v.view(-1), c, flags)
+            apply(w.view(-1), g.view(-1), m.view(-1), v.view(-1), c)
 
 
 def _sub_bucket(b: Bucket, index: list[int]) -> Bucket:
@@ -215,9 +202,5 @@ def _sub_bucket(b: Bucket, index: list[int]) -> Bucket:
         [b.bias_corrections1[i] for i in index],
         [b.bias_corrections2[i] for i in index],
         b.grad_scale,
+        b.weight_scale,
     )
-
-
-def _flags(b: Bucket) -> tuple[bool, bool, bool]:
-    h = b.hyper
-    return h.bias_correction, h.decoupled_weight_decay, b.grad_scale is not None

@@ -77,7 +77,11 @@ def _advance_moments(
             torch._foreach_add_(grads, weights, alpha=h.weight_decay)
     elif l2:
         grads = list(torch._foreach_add(grads, weights, alpha=h.weight_decay))
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - h.beta1)
+    if h.grad_averaging:
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - h.beta1)
+    else:
+        torch._foreach_mul_(exp_avgs, h.beta1)
+        torch._foreach_add_(exp_avgs, grads)
     torch._foreach_mul_(exp_avg_sqs, h.beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - h.beta2)
 
@@ -132,6 +136,8 @@ class ForeachImpl:
             return
         assert isinstance(carry, list)
         torch._foreach_mul_(carry, list(steps.unbind()))
+        if b.weight_scale != 1.0:
+            torch._foreach_mul_(b.weights, b.weight_scale)
         torch._foreach_add_(b.weights, carry)
 
     # -- CPU: tiles that stay in cache ------------------------------------------------
@@ -166,6 +172,8 @@ class ForeachImpl:
             picked_eps = [carry.eps[i] for i, _, _ in pieces]
             picked_scales = [carry.scales[i] for i, _, _ in pieces]
             u = _direction(b, w, m, v, picked_eps, picked_scales)
+            if b.weight_scale != 1.0:
+                torch._foreach_mul_(w, b.weight_scale)
             for wi, ui, (i, _, _) in zip(w, u, pieces, strict=True):
                 wi.add_(ui, alpha=steps[i])
 

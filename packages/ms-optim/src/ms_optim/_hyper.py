@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["HYPER_DEFAULTS", "GroupHyper", "check_bounds", "read_group"]
+__all__ = ["HYPER_DEFAULTS", "NEW_IN_FORMAT_2", "GroupHyper", "check_bounds", "read_group"]
+
+StepCount = Literal["param", "group"]
+_STEP_COUNTS = ("param", "group")
 
 # Defaults of every per-group key; Lamb's constructor arguments override them.
 HYPER_DEFAULTS: dict[str, Any] = {
@@ -25,6 +28,20 @@ HYPER_DEFAULTS: dict[str, Any] = {
     "weight_norm_bounds": None,
     "trust_ratio_bounds": None,
     "max_grad_norm": None,
+    "grad_averaging": True,
+    "step_size_bias_correction": False,
+    "decay_in_update": True,
+    "step_count": "param",
+}
+
+#: Keys added in ms-optim 0.2.0, with the value that reproduces 0.1.0. A
+#: state_dict whose groups all hold these values is written as format 1, which
+#: 0.1.0 can load and honour; any other value needs format 2.
+NEW_IN_FORMAT_2: dict[str, Any] = {
+    "grad_averaging": True,
+    "step_size_bias_correction": False,
+    "decay_in_update": True,
+    "step_count": "param",
 }
 
 
@@ -55,6 +72,27 @@ class GroupHyper:
     #: Scale gradients by max_grad_norm / max(global norm, max_grad_norm) before
     #: the update (NVLAMB); None: no clipping.
     max_grad_norm: float | None
+    #: False: m = b1 m + g, without the (1 - b1) factor (Apex / timm
+    #: ``grad_averaging=False``); the bias correction still divides by 1 - b1^t.
+    grad_averaging: bool = True
+    #: With bias_correction: build u from the raw moments, m / (sqrt(v) + eps), and
+    #: scale the step by sqrt(1 - b2^t) / (1 - b1^t) after the trust ratio
+    #: (DeepSpeed ``FusedLamb``, torch-optimizer ``debias=True``). No effect without
+    #: bias_correction.
+    step_size_bias_correction: bool = False
+    #: False: decoupled decay acts on the weights directly, w *= 1 - lr wd, before
+    #: ||w|| is taken and outside u and the trust ratio (timm ``decoupled_decay``).
+    #: Needs decoupled_weight_decay.
+    decay_in_update: bool = True
+    #: "param": t counts the steps in which this parameter had a gradient.
+    #: "group": t counts the optimizer's steps, one per ``step()`` call, for every
+    #: parameter of the group, with or without a gradient (Apex, timm).
+    step_count: StepCount = "param"
+
+    @property
+    def beta3(self) -> float:
+        """The weight of g in m: 1 - b1, or 1 without grad averaging."""
+        return 1.0 - self.beta1 if self.grad_averaging else 1.0
 
 
 def read_group(group: dict[str, Any], where: str = "") -> GroupHyper:
@@ -78,9 +116,24 @@ def read_group(group: dict[str, Any], where: str = "") -> GroupHyper:
         value = _real(group[key], name(key))
         if not value >= 0.0 or math.isinf(value):
             raise ValueError(f"{name(key)} must be a finite number >= 0, got {value!r}")
-    for key in ("bias_correction", "decoupled_weight_decay", "layer_adaptation"):
+    for key in (
+        "bias_correction",
+        "decoupled_weight_decay",
+        "layer_adaptation",
+        "grad_averaging",
+        "step_size_bias_correction",
+        "decay_in_update",
+    ):
         if not isinstance(group[key], bool):
             raise TypeError(f"{name(key)} must be a bool, got {group[key]!r}")
+    if not group["decay_in_update"] and not group["decoupled_weight_decay"]:
+        raise ValueError(
+            f"{name('decay_in_update')}=False applies decoupled decay to the weights "
+            f"directly; it needs {name('decoupled_weight_decay')}=True, got False (L2)"
+        )
+    step_count = group["step_count"]
+    if step_count not in _STEP_COUNTS:
+        raise ValueError(f"{name('step_count')} must be one of {_STEP_COUNTS}, got {step_count!r}")
     max_norm = group["max_grad_norm"]
     if max_norm is not None:
         _real(max_norm, name("max_grad_norm"))
@@ -98,6 +151,10 @@ def read_group(group: dict[str, Any], where: str = "") -> GroupHyper:
         weight_norm_bounds=check_bounds(group["weight_norm_bounds"], name("weight_norm_bounds")),
         trust_ratio_bounds=check_bounds(group["trust_ratio_bounds"], name("trust_ratio_bounds")),
         max_grad_norm=None if max_norm is None else float(max_norm),
+        grad_averaging=group["grad_averaging"],
+        step_size_bias_correction=group["step_size_bias_correction"],
+        decay_in_update=group["decay_in_update"],
+        step_count=step_count,
     )
 
 

@@ -30,7 +30,7 @@ class SingleTensorImpl:
                 g = g * b.grad_scale  # a new tensor: p.grad stays as the user left it
             if not h.decoupled_weight_decay and h.weight_decay != 0.0:
                 g = g.add(w, alpha=h.weight_decay)  # L2: decay enters the moments
-            m.mul_(h.beta1).add_(g, alpha=1.0 - h.beta1)
+            m.mul_(h.beta1).add_(g, alpha=h.beta3)
             v.mul_(h.beta2).addcmul_(g, g, value=1.0 - h.beta2)
             if h.bias_correction:
                 denom = (v / b.bias_corrections2[i]).sqrt_().add_(h.eps)
@@ -51,4 +51,6 @@ class SingleTensorImpl:
     def apply(self, b: Bucket, carry: list[torch.Tensor], ratios: torch.Tensor) -> None:
         scales = (ratios * -b.hyper.lr).unbind()
         for w, u, s in zip(b.weights, carry, scales, strict=True):
+            if b.weight_scale != 1.0:
+                w.mul_(b.weight_scale)
             w.add_(u.mul_(s))

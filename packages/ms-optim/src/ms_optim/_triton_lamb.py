@@ -91,6 +91,7 @@ def _moments_kernel(
     if not DECOUPLED:
         g = g + weight_decay * w  # L2: the decay enters the moments
     # 1 - beta comes from the host in float64: 1 - 0.999 in fp32 is off by 1.3e-5.
+    # one_minus_beta1 is 1 without grad averaging (m = b1 m + g).
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * g * g
     tl.store(m_ptr + offs, m, mask=mask)
@@ -116,6 +117,7 @@ def _apply_kernel(
     block_start,
     eps,
     weight_decay,
+    w_scale,
     BIAS_CORRECTION: tl.constexpr,
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -133,8 +135,8 @@ def _apply_kernel(
     u = _update(
         m, v, w, tl.load(bc1s + t), tl.load(bc2s + t), eps, weight_decay, BIAS_CORRECTION, DECOUPLED
     )
-    # steps[t] = -lr * trust_ratio[t]
-    tl.store(w_ptr + offs, w + tl.load(steps + t) * u, mask=mask)
+    # steps[t] = -lr * ratio[t]; w_scale = 1 - lr wd when decay acts on w directly.
+    tl.store(w_ptr + offs, w_scale * w + tl.load(steps + t) * u, mask=mask)
 
 
 class TritonImpl:
@@ -174,7 +176,7 @@ class TritonImpl:
             scale.to(device=dev, dtype=torch.float32),
             h.beta1,
             h.beta2,
-            1.0 - h.beta1,
+            h.beta3,
             1.0 - h.beta2,
             h.eps,
             h.weight_decay,
@@ -208,6 +210,7 @@ class TritonImpl:
             plan.block_start,
             h.eps,
             h.weight_decay,
+            b.weight_scale,
             BIAS_CORRECTION=h.bias_correction,
             DECOUPLED=h.decoupled_weight_decay,
             BLOCK=self.block_size,
