@@ -8,16 +8,19 @@ with any strides; query head ``h`` reads kv head ``h // (Hq // Hkv)`` (GQA). Wit
 ``shift = Sk - Sq`` (flash-attn's bottom-right alignment), query ``i`` attends key ``j``
 iff ``i + shift - left <= j <= i + shift + right`` and ``0 <= j < Sk``; causal is
 ``right = 0``. A query with no such key returns ``out = 0`` and ``lse = +inf``, so the
-backward's ``exp(s - lse)`` is 0 for it and it gets, and gives, zero gradients.
+backward's ``exp2(s - lse)`` is 0 for it and it gets, and gives, zero gradients.
 
 Forward (FlashAttention-2, Dao 2023, Algorithm 1). One program per (query block, batch,
 head). It walks the key blocks of its window with an online softmax: a running row max
 ``m``, a running denominator ``l`` and an unnormalised fp32 accumulator, rescaled by
 ``exp(m_old - m_new)`` whenever the max grows; it divides by ``l`` once at the end and
-stores ``lse = m + log(l)`` for the backward. Scores are kept in base 2 (the scale is
-multiplied by log2(e) once) so the exponentials are ``exp2``. While every key seen so
-far is masked, ``m`` is ``-inf`` and ``s - m`` would be ``-inf - -inf = NaN``; the
-kernel subtracts 0 instead in that case (every ``p`` is then ``exp2(-inf) = 0``).
+stores ``lse = m + log2(l)`` for the backward. Scores are kept in base 2 (the scale is
+multiplied by log2(e) once) so the exponentials are ``exp2``, and so is lse: a round
+trip through the natural log would move it by an ulp or two of ``|lse|``, which
+``exp2(s - lse)`` turns into a relative error of that size in every ``P`` (a row with
+one key would get ``P != 1``). While every key seen so far is masked, ``m`` is ``-inf``
+and ``s - m`` would be ``-inf - -inf = NaN``; the kernel subtracts 0 instead in that
+case (every ``p`` is then ``exp2(-inf) = 0``).
 
 Backward (FlashAttention-2, Algorithm 2), three launches and no atomics, so two runs are
 bitwise identical:
@@ -25,7 +28,7 @@ bitwise identical:
 1. a preprocess, ``delta_i = sum_d dO_id O_id`` in fp32 (equal to ``sum_j P_ij dP_ij``,
    the term the softmax Jacobian subtracts);
 2. dK/dV: one program per (key block, batch, kv head), which recomputes
-   ``P = exp(s - lse)`` for every query block that sees its keys and accumulates
+   ``P = exp2(s - lse)`` for every query block that sees its keys and accumulates
    ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dP - delta)``,
    ``dP = dO V^T``. It loops over the ``G = Hq / Hkv`` query heads sharing its kv
    head, so GQA's sum over those heads happens inside one program;
@@ -34,8 +37,15 @@ bitwise identical:
 
 Steps 2 and 3 are one kernel, ``_bwd_kernel``, launched twice: a program owns a "home"
 tile (keys in 2, queries in 3) and visits the tiles of the other side that its window
-meets; the scores are home x visited either way (``S^T`` in 2, ``S`` in 3), and the
-``KEY_HOME`` constexpr picks where lse and delta come from and whether dV is summed.
+meets, and the ``KEY_HOME`` constexpr picks which side is home and whether dV is
+summed. Either way the tiles of ``S`` and ``dP`` are queries x keys, the products
+``Q K^T`` and ``dO V^T`` exactly as the forward takes ``S`` (the dK/dV kernel transposes
+``P`` and ``dS`` as the left operands of its products instead): ``K Q^T`` adds the same
+products, but a backend may add them in another order (the interpreter's matmul does),
+which moves ``s`` by several ulps where terms cancel, and ``exp2(s - lse)`` needs bitwise
+the score the forward's lse came from, or ``P`` of a one-key row is not exactly 1. (The
+interpreter's matmul also rounds differently for different tile shapes; its default
+tiles are all 64 x 64.) ``dS`` is then the same in both launches, too.
 dQ is a launch of its own because dQ sums over keys while dK/dV sum over queries: one
 pass over key blocks would have every key block add into the same dQ rows, which needs
 atomics (their order, hence the rounding, varies run to run) or a partial dQ per key
@@ -237,8 +247,8 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]  # acc is 0 on empty rows
-    # m_i is in log2 units; lse is the natural log: (m + log2 l) * ln 2.
-    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    # Base 2, like m_i: the backward subtracts it from base-2 scores as it is.
+    lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
     m_ok = offs_m < Sq
     o_ptrs = Out + b * stride_ob + h * stride_oh + rows64[:, None] * stride_os
     tl.store(
@@ -355,10 +365,10 @@ def _bwd_kernel(  # type: ignore[no-untyped-def]
     (K, V)``; it visits the query blocks that see it, in each of the G query heads of
     the group, ``(XV, YV) = (Q, dO)``, and writes ``GX = dK``, ``GY = dV``. Otherwise the
     dQ kernel: home is a query block of one head, ``(XH, YH) = (Q, dO)``, visiting key
-    blocks ``(XV, YV) = (K, V)``, writing ``GX = dQ``. Either way the scores are
-    ``XH XV^T`` (S^T or S), ``dP = YH YV^T``, and ``GX += dS XV``; lse and delta belong to
-    the queries, so they index the visited axis in the first case and the home axis in
-    the second.
+    blocks ``(XV, YV) = (K, V)``, writing ``GX = dQ``. Either way ``S = Q K^T`` and
+    ``dP = dO V^T`` (queries x keys) and ``GX += dS XV`` (``dS^T`` in the first case);
+    lse and delta belong to the queries, the visited side in the first case and the home
+    side in the second.
     """
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -403,11 +413,11 @@ def _bwd_kernel(  # type: ignore[no-untyped-def]
         xh = xh.to(tl.float32)
         yh = yh.to(tl.float32)
     if not KEY_HOME:
-        lse2 = (
-            tl.load(Lse + b * stride_lb + home_head * stride_lh + idx_h * stride_ls,
-                    mask=home_in, other=0.0)
-            * 1.4426950408889634
-        )  # fmt: skip
+        lse = tl.load(
+            Lse + b * stride_lb + home_head * stride_lh + idx_h * stride_ls,
+            mask=home_in,
+            other=0.0,
+        )
         delta = tl.load(Delta + (b * Hq + home_head) * Sq + idx_h, mask=home_in, other=0.0)
     acc_x = tl.zeros([BLOCK_HOME, BLOCK_D], tl.float32)
     acc_y = tl.zeros([BLOCK_HOME, BLOCK_D], tl.float32)
@@ -441,24 +451,30 @@ def _bwd_kernel(  # type: ignore[no-untyped-def]
             if UPCAST:
                 xv = xv.to(tl.float32)
                 yv = yv.to(tl.float32)
-            s = tl.dot(xh, tl.trans(xv), input_precision=DOT_PRECISION) * qk_scale
-            dp = tl.dot(yh, tl.trans(yv), input_precision=DOT_PRECISION)
-            # lse = +inf (a query with no key) makes every p of its row exp2(-inf) = 0.
+            # Queries x keys, as in the forward: see the module notes.
+            if KEY_HOME:
+                q_t, k_t, do_t, v_t = xv, xh, yv, yh
+            else:
+                q_t, k_t, do_t, v_t = xh, xv, yh, yv
+            s = tl.dot(q_t, tl.trans(k_t), input_precision=DOT_PRECISION) * qk_scale
+            dp = tl.dot(do_t, tl.trans(v_t), input_precision=DOT_PRECISION)
             if KEY_HOME:
                 lse_base = Lse + b * stride_lb + visit_head * stride_lh
-                lse2_v = (
-                    tl.load(lse_base + idx_v * stride_ls, mask=v_ok, other=0.0) * 1.4426950408889634
-                )
-                delta_v = tl.load(Delta + (b * Hq + visit_head) * Sq + idx_v, mask=v_ok, other=0.0)
-                ok = _allowed(offs_v[None, :], offs_h[:, None], Sq, Sk, left, right)
-                p = tl.where(ok, tl.math.exp2(s - lse2_v[None, :]), 0.0)
-                acc_y += tl.dot(p.to(yv.dtype), yv, input_precision=DOT_PRECISION)
-                ds = p * (dp - delta_v[None, :])
+                lse_q = tl.load(lse_base + idx_v * stride_ls, mask=v_ok, other=0.0)
+                delta_q = tl.load(Delta + (b * Hq + visit_head) * Sq + idx_v, mask=v_ok, other=0.0)
+                ok = _allowed(offs_v[:, None], offs_h[None, :], Sq, Sk, left, right)
             else:
+                lse_q = lse
+                delta_q = delta
                 ok = _allowed(offs_h[:, None], offs_v[None, :], Sq, Sk, left, right)
-                p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
-                ds = p * (dp - delta[:, None])
-            acc_x += tl.dot(ds.to(xv.dtype), xv, input_precision=DOT_PRECISION)
+            # lse = +inf (a query with no key) makes every p of its row exp2(-inf) = 0.
+            p = tl.where(ok, tl.math.exp2(s - lse_q[:, None]), 0.0)
+            ds = p * (dp - delta_q[:, None])
+            if KEY_HOME:
+                acc_y += tl.dot(tl.trans(p.to(yv.dtype)), yv, input_precision=DOT_PRECISION)
+                acc_x += tl.dot(tl.trans(ds.to(xv.dtype)), xv, input_precision=DOT_PRECISION)
+            else:
+                acc_x += tl.dot(ds.to(xv.dtype), xv, input_precision=DOT_PRECISION)
 
     acc_x = acc_x * scale
     # The gradients are fresh tensors of one layout, with strides stride_g*.
@@ -541,9 +557,10 @@ def attention_forward(
     ``q``: ``(B, Sq, Hq, D)``; ``k``, ``v``: ``(B, Sk, Hkv, D)``, one dtype and device, any
     strides, ``Hq % Hkv == 0``. ``left``, ``right``: the window (validated by the caller;
     a value >= ``Sq + Sk`` is unbounded). Returns ``out`` ``(B, Sq, Hq, D)`` in q's dtype,
-    contiguous, and ``lse`` ``(B, Hq, Sq)`` fp32, the natural-log logsumexp of
-    ``scale * q.k`` over the allowed keys (``+inf``, with ``out = 0``, for a query that
-    has none).
+    contiguous, and ``lse`` ``(B, Hq, Sq)`` fp32, the logsumexp of ``scale * q.k`` over
+    the allowed keys in base 2, ``log2(sum 2^(log2(e) scale q.k))`` (the natural-log
+    value divided by ln 2), as ``attention_backward`` takes it; ``+inf``, with
+    ``out = 0``, for a query that has none.
     """
     batch, sq, hq, head_dim = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -602,8 +619,8 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of ``attention_forward``, in the dtypes and shapes of q, k, v.
 
-    ``out`` and ``lse`` are the forward's results, ``dout`` the gradient of ``out`` (any
-    strides). Queries with no allowed key contribute nothing.
+    ``out`` and ``lse`` are the forward's results, lse still in base 2; ``dout`` is the
+    gradient of ``out`` (any strides). Queries with no allowed key contribute nothing.
     """
     batch, sq, hq, head_dim = q.shape
     sk, hkv = k.shape[1], k.shape[2]
