@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import select
 import subprocess
 import sys
 import sysconfig
@@ -190,6 +191,9 @@ def test_progress_bar_only_on_a_terminal(tmp_path: Path) -> None:
             os.close(follower)
             bar = b""
             while True:
+                # The build has exited: whatever it wrote is there, then EIO or EOF.
+                ready, _, _ = select.select([leader], [], [], 30)
+                assert ready, "the terminal neither delivers output nor reports its end"
                 try:
                     chunk = os.read(leader, 65536)
                 except OSError:  # EIO: the terminal's other end is closed

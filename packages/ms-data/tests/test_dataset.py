@@ -271,6 +271,7 @@ def rank_run(
     return samples, ds.state_dict()
 
 
+@pytest.mark.slow
 def test_resume_across_processes_from_two_ranks_onto_three(
     corpus_files: tuple[list[str], list[np.ndarray]],
 ) -> None:
@@ -338,7 +339,7 @@ def sample_in_threads(ds: PackedDataset, count: int, n_threads: int) -> list[np.
 
     def work(t: int) -> None:
         try:
-            barrier.wait()  # start together, on cold caches
+            barrier.wait(timeout=60)  # start together, on cold caches
             # Interleaved, and backwards on odd threads: threads straddle epochs.
             order = list(range(t, count, n_threads))
             for g in order if t % 2 == 0 else order[::-1]:
@@ -350,7 +351,8 @@ def sample_in_threads(ds: PackedDataset, count: int, n_threads: int) -> list[np.
     for th in threads:
         th.start()
     for th in threads:
-        th.join()
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in threads), "a sampling thread is stuck"
     assert not errors, errors
     return got
 

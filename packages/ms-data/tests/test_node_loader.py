@@ -98,6 +98,7 @@ def rank_tree(corpus_dir: str, counter: str, job: str, steps: int) -> dict[str, 
     return out
 
 
+@pytest.mark.slow
 def test_tp_pairs_identical_dp_disjoint_and_read_once_per_node(
     corpus_dir: Path, tmp_path: Path
 ) -> None:
@@ -183,6 +184,7 @@ def rank_two_nodes(corpus_dir: str, job: str, steps: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_two_nodes_and_restart(corpus_dir: Path) -> None:
     steps = 4
     job = new_job()
@@ -194,8 +196,51 @@ def test_two_nodes_and_restart(corpus_dir: Path) -> None:
     assert results[0]["names"] == results[1]["names"]
     assert results[2]["names"] == results[3]["names"]
     assert results[0]["names"][0] != results[2]["names"][0]  # one ring per node
-    assert results[0]["names"][1].endswith("_i0") and results[0]["names"][2].endswith("_i1")
+    assert results[0]["names"][1].endswith("_s0") and results[0]["names"][2].endswith("_s2")
     assert results[0]["reader"] != results[2]["reader"]
+    assert job_segments(job) == []
+
+
+def rank_loads_state_at_different_times(corpus_dir: str, job: str) -> dict[str, Any]:
+    """Local rank 0 takes a batch, then loads the state; local rank 1 loads it first.
+
+    With a segment name counted per process (rings opened so far), rank 0's second
+    ring and rank 1's first had different names and rank 1 waited out its timeout.
+    """
+    rank = dist.get_rank()
+    loader = NodeLoader(make_dataset(corpus_dir), micro_batch=MICRO, job_id=job, timeout=20)
+    state = loader.state_dict()
+    gb = loader.global_batch
+    state.update(step=3, next_index=3 * gb)
+    state["dataset"]["next_index"] = 3 * gb
+    names = []
+    if rank == 0:
+        # An extra loader of the same name first, then this one's first batch.
+        with NodeLoader(make_dataset(corpus_dir), micro_batch=MICRO, job_id=job) as extra:
+            next(extra)
+        next(loader)
+        names.append(loader.segment_name)
+    dist.barrier()
+    loader.load_state_dict(state)
+    batch = next(loader).numpy()
+    names.append(loader.segment_name)
+    out = {"batch": batch, "names": names, "stats": loader.stats(), "step": loader.step}
+    dist.barrier()
+    loader.close()
+    return out
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_segment_whatever_they_did_before(corpus_dir: Path) -> None:
+    job = new_job()
+    results = run_ranks(rank_loads_state_at_different_times, 2, args=(str(corpus_dir), job))
+    ref = make_dataset(corpus_dir)
+    first, second = results
+    assert first["names"][0].endswith("_s0")
+    assert first["names"][-1] == second["names"][-1] and second["names"][-1].endswith("_s3")
+    for rank, res in enumerate(results):
+        np.testing.assert_array_equal(res["batch"], expected_batch(ref, 3, rank, 2, MICRO))
+        assert res["step"] == 4 and res["stats"]["batches"] == 1 + (rank == 0)
     assert job_segments(job) == []
 
 
@@ -207,6 +252,7 @@ def single_loader(ds: Any, job: str, **kw: Any) -> NodeLoader:
     return NodeLoader(ds, local_rank=0, local_world_size=1, job_id=job, timeout=30, **kw)
 
 
+@pytest.mark.slow
 def test_resume_continues_the_stream(corpus_dir: Path) -> None:
     job = new_job()
     ref = make_dataset(corpus_dir)
@@ -245,7 +291,15 @@ def test_resume_continues_the_stream(corpus_dir: Path) -> None:
     assert job_segments(job) == []
 
 
-@pytest.mark.parametrize(("threads", "shuffle"), [(3, True), (2, False), (1, True)])
+@pytest.mark.parametrize(
+    ("threads", "shuffle"),
+    [
+        pytest.param(3, True, marks=pytest.mark.slow),
+        # The fast tier's one end-to-end run: a real reader process and ring.
+        (2, False),
+        pytest.param(1, True, marks=pytest.mark.slow),
+    ],
+)
 def test_reader_threads_deliver_the_stream_in_order(
     corpus_dir: Path, threads: int, shuffle: bool
 ) -> None:
@@ -266,7 +320,7 @@ def test_reader_threads_deliver_the_stream_in_order(
 # -- faults ------------------------------------------------------------------------------------
 
 
-def rank_kill_reader(corpus_dir: str, job: str, timeout: float) -> tuple[float, str, int]:
+def rank_kill_reader(corpus_dir: str, job: str, timeout: float) -> tuple[str, int]:
     loader = NodeLoader(
         make_dataset(corpus_dir), micro_batch=MICRO, job_id=job, timeout=timeout, depth=2
     )
@@ -275,28 +329,29 @@ def rank_kill_reader(corpus_dir: str, job: str, timeout: float) -> tuple[float, 
     if loader.local_rank == 0:
         os.kill(loader.reader_pid or 0, signal.SIGKILL)
     dist.barrier()
-    start = time.monotonic()
     delivered = 0
     try:
         while delivered < 100:
             next(loader)
             delivered += 1
     except NodeLoaderError as e:
-        elapsed, message = time.monotonic() - start, str(e)
+        message = str(e)
     else:
-        elapsed, message = time.monotonic() - start, "no error"
+        message = "no error"
     dist.barrier()
     loader.close()
-    return elapsed, message, delivered
+    return message, delivered
 
 
-def test_sigkill_reader_ranks_raise_within_timeout(corpus_dir: Path) -> None:
+@pytest.mark.slow
+def test_sigkill_reader_ranks_raise_before_their_timeout(corpus_dir: Path) -> None:
     timeout = 10.0
     job = new_job()
     results = run_ranks(rank_kill_reader, 2, args=(str(corpus_dir), job, timeout), timeout=60)
-    for elapsed, message, delivered in results:
+    for message, delivered in results:
+        # "is gone", not the timeout's message: the death was noticed, not waited out.
         assert "reader process" in message and "is gone" in message, message
-        assert elapsed < timeout
+        assert "timeout" not in message
         assert delivered <= 2  # at most the ring's depth, prefetched before the kill
     assert job_segments(job) == []
 
@@ -322,6 +377,7 @@ def rank_dies(corpus_dir: str, job: str) -> tuple[str, bool]:
     return message, gone
 
 
+@pytest.mark.slow
 def test_dead_rank_stops_the_reader(corpus_dir: Path) -> None:
     job = new_job()
     report = launch(rank_dies, 2, args=(str(corpus_dir), job), timeout=60, grace=20)
@@ -356,6 +412,7 @@ def rank_after_kill(corpus_dir: str, job: str) -> list[str]:
     return seen
 
 
+@pytest.mark.slow
 def test_restart_after_sigkill_removes_stale_segments(corpus_dir: Path) -> None:
     job = new_job()
     report = launch(rank_sigkilled, 2, args=(str(corpus_dir), job), timeout=60)
@@ -385,6 +442,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_sigint_and_sigterm_to_a_rank_unlink_its_segment(corpus_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     children = {}
@@ -421,9 +479,10 @@ def test_sigint_and_sigterm_to_a_rank_unlink_its_segment(corpus_dir: Path) -> No
     finally:
         for _, proc in children.values():
             proc.kill()
-            proc.wait()
+            proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_corrupt_shard_error_reaches_the_rank(corpus_dir: Path, tmp_path: Path) -> None:
     bad_dir = tmp_path / "bad"
     shutil.copytree(corpus_dir, bad_dir)
@@ -437,14 +496,15 @@ def test_corrupt_shard_error_reaches_the_rank(corpus_dir: Path, tmp_path: Path) 
         f.write(bytes([byte[0] ^ 0xFF]))
 
     ref = make_dataset(bad_dir, shuffle=False)
-    first_bad = 0
-    while True:
+    assert ref.samples_per_epoch is not None
+    for first_bad in range(ref.samples_per_epoch):
         try:
             ref.sample(first_bad)
         except ChunkCorruptError as e:
             shard_message = str(e)
             break
-        first_bad += 1
+    else:
+        pytest.fail("no sample of the epoch reads the damaged chunk")
     job = new_job()
     good = []
     with single_loader(make_dataset(bad_dir, shuffle=False), job, micro_batch=4) as loader:
@@ -475,6 +535,7 @@ def test_shm_too_small_fails_at_start_with_the_numbers(corpus_dir: Path) -> None
     assert "seq_len+1=33" in message and "uint16" in message
 
 
+@pytest.mark.slow
 def test_rank_without_local_rank_zero_times_out(corpus_dir: Path) -> None:
     loader = NodeLoader(
         make_dataset(corpus_dir),
@@ -486,10 +547,8 @@ def test_rank_without_local_rank_zero_times_out(corpus_dir: Path) -> None:
         job_id=new_job(),
         timeout=1.0,
     )
-    start = time.monotonic()
     with pytest.raises(NodeLoaderError, match=r"waited 1\.0s for local rank 0"):
         next(loader)
-    assert time.monotonic() - start < 10
 
 
 def test_layout_validation(corpus_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -520,29 +579,21 @@ def test_layout_validation(corpus_dir: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert loader.dp_first == 2 and loader.global_batch == 4
 
 
-def _voluntary_switches(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("voluntary_ctxt_switches"):
-            return int(line.split()[1])
-    raise AssertionError(f"no voluntary_ctxt_switches in /proc/{pid}/status")
-
-
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
-def test_a_full_ring_is_polled_at_the_pace_of_the_ranks(corpus_dir: Path) -> None:
-    """With the ring full and a rank taking a batch every 60 ms, the reader sleeps in
-    steps sized to that pace (a few wake-ups per batch) instead of every millisecond,
-    which would take time from the trainer's threads; every batch is still ready."""
+@pytest.mark.slow
+def test_a_full_ring_with_a_paced_rank_delivers_every_batch_in_order(corpus_dir: Path) -> None:
+    """The ring fills, then the rank takes a batch every 60 ms: the reader's paced
+    polling of a full ring (``_reader.poll_cap``) still refills every slot in order.
+    How often it wakes up and how long the rank waits are timings, measured by
+    tools/bench/data/node_loading.py, not asserted here."""
     ds = make_dataset(corpus_dir)
+    ref = make_dataset(corpus_dir)
     with single_loader(ds, new_job(), dp_rank=0, dp_size=1, depth=4) as loader:
-        next(loader)
+        batches = [next(loader).numpy()]
         time.sleep(0.3)  # the ring fills
-        pid = loader.reader_pid
-        assert pid is not None
-        before, t0 = _voluntary_switches(pid), time.monotonic()
-        for _ in range(25):
+        for _ in range(12):
             time.sleep(0.06)
-            next(loader)
-        rate = (_voluntary_switches(pid) - before) / (time.monotonic() - t0)
-        # 1 ms polling: about 1000 a second; paced: about 100 (measured 90).
-        assert rate < 300, f"{rate:.0f} reader wake-ups per second"
-        assert loader.data_wait_s < 0.05, loader.stats()
+            batches.append(next(loader).numpy())
+        assert loader.stats()["batches"] == 13 and loader.step == 13
+    np.testing.assert_array_equal(
+        np.stack(batches), np.stack([expected_batch(ref, t, 0, 1, 4) for t in range(13)])
+    )

@@ -7,8 +7,10 @@ subprocesses.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import select
 import signal
 import struct
 import subprocess
@@ -26,7 +28,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ms_data import _format as fmt
+from ms_data import _shard_reader
 from ms_data.shard import (
+    DEFAULT_CHUNK_TOKENS,
     ChunkCorruptError,
     Corpus,
     ShardError,
@@ -104,7 +108,7 @@ def test_large_document_spans_many_default_chunks(tmp_path: Path) -> None:
     docs = [np.array([1, 2, 3], np.uint16), big, np.zeros(0, np.uint16), big[:5]]
     info = write_shard(tmp_path / "big.mss", docs)
     r = ShardReader(tmp_path / "big.mss")
-    assert info.n_chunks == r.n_chunks == -(-(3 + big.size + 5) // 65536) == 16
+    assert info.n_chunks == r.n_chunks == -(-(3 + big.size + 5) // DEFAULT_CHUNK_TOKENS) > 100
     for i, d in enumerate(docs):
         np.testing.assert_array_equal(r.read_document(i), d)
 
@@ -195,6 +199,40 @@ def test_threads_read_one_reader_at_once(tmp_path: Path) -> None:
         got = list(pool.map(r.read_document, order.tolist()))
     for i, tokens in zip(order.tolist(), got, strict=True):
         np.testing.assert_array_equal(tokens, docs[i])
+
+
+def _open_fds_under(root: Path) -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(root))
+    return n
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs Linux /proc")
+def test_local_shards_keep_a_bounded_number_of_files_open(tmp_path: Path) -> None:
+    """Local reads go through descriptors kept open, at most _MAX_OPEN_FILES of them."""
+    limit = _shard_reader._MAX_OPEN_FILES
+    readers = []
+    for i in range(limit + 6):
+        write_shard(tmp_path / f"s{i:03d}.mss", [[i, i + 1], [i + 2]])
+        readers.append(ShardReader(tmp_path / f"s{i:03d}.mss"))
+    for _ in range(2):  # the second round reopens the ones the first closed
+        for i, r in enumerate(readers):
+            assert r.read_document(0).tolist() == [i, i + 1]
+            assert r.read_document(1).tolist() == [i + 2]
+    assert 0 < _open_fds_under(tmp_path) <= limit
+
+
+def test_a_new_reader_sees_a_shard_replaced_at_the_same_path(tmp_path: Path) -> None:
+    """A descriptor kept open from an earlier reader must not serve the old file."""
+    path = tmp_path / "s.mss"
+    write_shard(path, [[1, 2, 3]])
+    assert ShardReader(path).read_document(0).tolist() == [1, 2, 3]
+    write_shard(tmp_path / "new.mss", [[4, 5], [6]])
+    os.replace(tmp_path / "new.mss", path)
+    again = ShardReader(path)
+    assert again.n_docs == 2 and again.read_document(1).tolist() == [6]
 
 
 def test_counting_urls_take_the_counter_from_the_environment(
@@ -488,7 +526,10 @@ def test_a_killed_writer_leaves_no_file_that_looks_like_a_shard(tmp_path: Path) 
         [sys.executable, "-c", KILLED_WRITER, str(target)], stdout=subprocess.PIPE, text=True
     )
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "written"
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the writer never reported"
+        assert proc.stdout.readline().strip() == "written"
         leftovers = list(tmp_path.iterdir())
         assert len(leftovers) == 1 and leftovers[0].stat().st_size > 10_000  # mid-write
     finally:
@@ -572,6 +613,7 @@ def _in_child(objs: list[object]) -> list:
     return pickle.loads(proc.stdout)  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 def test_readers_and_corpora_pickle_by_url_and_reopen_in_another_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

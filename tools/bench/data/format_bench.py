@@ -5,8 +5,8 @@
 Corpus: the Python standard library's ``.py`` files (the demo corpus), byte tokenizer
 (UTF-8 bytes as uint16 ids, the end-of-document id after each file); files that are
 not UTF-8 are left out, as ``ms-data build`` would refuse them. The same token stream
-is written once per setting, zstd level 1, 3, 9 by chunk size 16k, 64k, 256k tokens,
-to a local temporary file, then read back whole, in one process:
+is written once per setting, zstd level 1, 3, 9 by chunk size 8k (the default), 16k,
+64k, 256k tokens, to a local temporary file, then read back whole, in one process:
 
 - ratio: uncompressed token bytes / shard file bytes (header, index, footer included),
   and shard bytes per byte of source text;
@@ -42,7 +42,7 @@ from ms_data.tokenizer import ByteTokenizer
 from ms_testing.bench import machine_info
 
 LEVELS = (1, 3, 9)
-CHUNKS = (16 * 1024, 64 * 1024, 256 * 1024)
+CHUNKS = (8 * 1024, 16 * 1024, 64 * 1024, 256 * 1024)
 
 
 def demo_corpus(max_files: int | None) -> tuple[list[np.ndarray], int, int]:

@@ -3,9 +3,10 @@
     .venv/bin/python tools/bench/data/node_loading.py [--reps 3] [--reader-threads 1] [--out PATH]
 
 Corpus: the .py files of Python's standard library, one document each, UTF-8 bytes
-(ms_data.tokenizer.ByteTokenizer) written as uint16 shards by ShardWriter (64K-token
-zstd chunks). Samples: PackedDataset, seq_len 2048, eos appended, shuffled (and, for
-bytes, unshuffled too). Every case runs 4 real rank processes (ms_testing.run_ranks).
+(ms_data.tokenizer.ByteTokenizer) written as uint16 shards by ShardWriter (its default
+chunk size, 8K tokens since ms-data 0.2.0). Samples: PackedDataset, seq_len 2048, eos
+appended, shuffled (and, for bytes, unshuffled too). Every case runs 4 real rank
+processes (ms_testing.run_ranks).
 
 - **Bytes read per node** (ms_testing.fs.CountingFileSystem, every process appends to
   one counter): NodeLoader, one reader for the node, vs one PackedDataset iteration
@@ -24,6 +25,11 @@ bytes, unshuffled too). Every case runs 4 real rank processes (ms_testing.run_ra
   copy-out included; for NodeLoader also its own metric (time before the batch was
   ready). Target < 1%. Floor: a trivial call right after a 10 ms sleep, the cost of
   waking an idle CPU on this machine, which any next() after a sleeping step pays.
+- **Reader wake-ups on a full ring** (one local rank, in this process): the ring fills,
+  then the rank takes a batch every 60 ms; reported are the reader process's voluntary
+  context switches per second (Linux ``/proc/<pid>/status``) against the 1000/s that
+  polling every millisecond would cost, and the rank's data wait over those batches
+  (every batch should already be there: about 0).
 
 Cases alternate within each repetition (NodeLoader first on even repetitions).
 """
@@ -191,6 +197,33 @@ def wakeup_floor(reps: int = 200, idle: float = 0.010) -> float:
     return statistics.median(times)
 
 
+def _voluntary_switches(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no voluntary_ctxt_switches in /proc/{pid}/status")
+
+
+def paced_wakeups(corpus: str, batches: int = 25, pace: float = 0.060) -> dict[str, float]:
+    """One local rank takes a batch every ``pace`` seconds from a full ring: the reader's
+    wake-ups per second and the rank's data wait over those batches."""
+    job = f"bench{uuid.uuid4().hex[:8]}"
+    ds = make_dataset(corpus)
+    with NodeLoader(
+        ds, micro_batch=MICRO, local_rank=0, local_world_size=1, job_id=job, depth=DEPTH
+    ) as loader:
+        next(loader)
+        time.sleep(0.3)  # the ring fills
+        pid = loader.reader_pid or 0
+        wait0 = loader.data_wait_s
+        before, t0 = _voluntary_switches(pid), time.monotonic()
+        for _ in range(batches):
+            time.sleep(pace)
+            next(loader)
+        rate = (_voluntary_switches(pid) - before) / (time.monotonic() - t0)
+        return {"wakeups_per_s": rate, "data_wait_s": loader.data_wait_s - wait0}
+
+
 def _broadcast(text: str) -> str:
     box = [text]
     dist.broadcast_object_list(box, src=0)
@@ -236,9 +269,22 @@ def main() -> None:
         "--reader-threads", type=int, default=1, help="NodeLoader reader_threads (throughput)"
     )
     ap.add_argument("--out", type=Path, default=Path("bench-results/data/node_loading.json"))
+    ap.add_argument(
+        "--paced-only",
+        action="store_true",
+        help="only the reader wake-ups on a full ring (seconds instead of minutes; no JSON)",
+    )
     args = ap.parse_args()
 
     load_before = os.getloadavg()
+    if args.paced_only:
+        with tempfile.TemporaryDirectory(prefix="ms-bench-data-") as tmpdir:
+            corpus_dir = Path(tmpdir) / "corpus"
+            corpus_dir.mkdir()
+            build_corpus(corpus_dir)
+            paced = [paced_wakeups(str(corpus_dir)) for _ in range(args.reps)]
+        print_paced(paced, args.reps, load_before, os.getloadavg())
+        return
     with tempfile.TemporaryDirectory(prefix="ms-bench-data-") as tmpdir:
         tmp = Path(tmpdir)
         corpus_dir = tmp / "corpus"
@@ -298,15 +344,34 @@ def main() -> None:
                         )
                     )
             loops[f"tp{tp}"] = runs
+        paced = [paced_wakeups(corpus) for _ in range(args.reps)]
         load_after = os.getloadavg()
         floor = wakeup_floor()
 
     record = report(corpus_info, ceiling, floor, bytes_rows, loops, phases, args)
+    print_paced(paced, args.reps, load_before, load_after)
+    record["paced_full_ring"] = {"pace_s": 0.060, "batches": 25, "runs": paced}
     record["load_average_1_5_15_min"] = {"before": load_before, "after": load_after}
     record["machine"] = machine_info(ms_data=ms_data.__version__)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")
+
+
+def print_paced(
+    paced: list[dict[str, float]],
+    reps: int,
+    load_before: tuple[float, float, float],
+    load_after: tuple[float, float, float],
+) -> None:
+    rates = [p["wakeups_per_s"] for p in paced]
+    waits = [p["data_wait_s"] for p in paced]
+    print(
+        f"\nreader on a full ring, one rank taking a batch every 60 ms, {reps} reps: "
+        f"{_cell(rates, '.0f', 1.0)} wake-ups/s (polling every 1 ms: 1000/s); data wait "
+        f"over 25 batches {_cell(waits, '.2f', 1e3)} ms; load average "
+        f"{load_before[0]:.2f} before, {load_after[0]:.2f} after"
+    )
 
 
 def summarize(run: list[Any], phase: int) -> dict[str, float]:

@@ -43,21 +43,25 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ms_data._shm_ring import Backoff, RingSpec, ShmRing
+from ms_data._shm_ring import RingSpec, ShmRing
 
 __all__ = ["ReaderArgs", "main", "reader_main"]
 
 # How often a waiting reader checks that its parent and the ranks still run.
 _LIVENESS_EVERY_S = 0.05
-# A full ring holds ``depth`` steps ahead of the ranks. The reader polling for the next
-# free slot may notice it late by this fraction of the time the ranks take to use the
-# other ``depth - 1`` steps, never later than _MAX_POLL_S: nobody waits on a late refill.
-# Polling at 1 ms instead wakes the process about a thousand times a second (90 at a
-# 58 ms step with this), and on a small machine the wake-ups preempt the trainer's
-# compute threads.
+# A full ring holds ``depth`` steps ahead of the ranks. Each wake-up of the reader
+# preempts one of the trainer's compute threads on a small machine, and the others
+# then wait for it at their next barrier. So a reader facing a full ring sleeps until
+# ``burst`` (half the ring) slots are free, not one, first for as long as the ranks
+# should take to free them at their measured pace, then polling; it may notice them
+# late by this fraction of the time the ranks take to use the ``depth - burst`` steps
+# they still hold, never later than _MAX_POLL_S: nobody waits on a late refill.
 _LATE_FRACTION = 0.25
 _MAX_POLL_S = 0.05
 _MIN_POLL_S = 1e-3
+# The first sleep on a full ring, at the ranks' pace, is at most this long: a reader
+# asleep notices a stop request or a dead parent only when it wakes.
+_MAX_FIRST_SLEEP_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -125,10 +129,13 @@ class _Reader:
             info = np.iinfo(dtype)
             self.bounds = (int(info.min), int(info.max))
         self.last_check = 0.0
-        #: When the last awaited slot was found free, and the smoothed time between two
-        #: such moments (the ranks' step time while the ring is full); None: not yet known.
-        self.last_free: float | None = None
-        self.free_interval: float | None = None
+        #: Steps refilled per wake-up once the ring was full (at most ``depth``, so a
+        #: rank waiting for a step never waits for the reader to wait for it).
+        self.burst = max(1, spec.depth // 2)
+        #: When and at which step the last wait for a full ring ended, and the ranks'
+        #: smoothed seconds per step while it is full; None: not yet known.
+        self.last_free: tuple[float, int] | None = None
+        self.step_time: float | None = None
 
     def run(self) -> None:
         if self.threads > 1:
@@ -170,7 +177,7 @@ class _Reader:
                     if done:
                         break
                 pending.popleft().result()  # raises the step's failure, in step order
-                self.ring.ready[step % spec.depth] = step  # publish: after the payload
+                self.ring.publish(step)  # after the payload
                 self.step = step + 1
         finally:
             # The threads write into the segment: let them finish before it is closed.
@@ -198,7 +205,7 @@ class _Reader:
                     slot[i, j] = self.checked(self.dataset.sample(g), g)
                 self.ring.heartbeat()
                 self.check_alive()
-            self.ring.ready[step % spec.depth] = step  # publish: after the payload
+            self.ring.publish(step)  # after the payload
             self.step = step + 1
 
     def checked(self, sample: Any, g: int) -> Any:
@@ -218,26 +225,40 @@ class _Reader:
         return sample
 
     def wait_free(self, step: int) -> None:
-        """Block until every local rank has copied out the step this slot held before."""
-        if not self.is_free(step):
-            cap = self.poll_cap()
-            backoff = Backoff(first=max(20e-6, cap / 32), cap=cap)
-            while not self.is_free(step):
-                self.ring.heartbeat()
-                self.check_alive()
-                backoff.sleep()
-        now = time.monotonic()
-        if self.last_free is not None:
-            gap = now - self.last_free
-            prev = self.free_interval
-            self.free_interval = gap if prev is None else 0.75 * prev + 0.25 * gap
-        self.last_free = now
+        """Block until every local rank has copied out the step this slot held before.
 
-    def poll_cap(self) -> float:
+        If it has not yet, wait until ``burst`` slots are free (steps ``step .. step +
+        burst - 1``): the next calls then find their slots free without sleeping.
+        """
+        if self.is_free(step):
+            return
+        last = step + self.burst - 1
+        if self.step_time is None:
+            # Pace unknown (the first waits): back off from 1 ms, so that a free slot is
+            # noticed within about the time already waited.
+            delay, then, cap = _MIN_POLL_S, 2 * _MIN_POLL_S, _MAX_POLL_S
+        else:
+            # The ranks free a slot per step: sleep a little less than they should need,
+            # then look again at short intervals.
+            cap = self.poll_cap(self.step_time)
+            missing = last - self.ring.spec.depth - int(self.ring.consumed.min())
+            delay = min(_MAX_FIRST_SLEEP_S, max(cap, 0.9 * missing * self.step_time))
+            then = max(_MIN_POLL_S, cap / 8)
+        while not self.is_free(last):
+            self.ring.heartbeat()
+            self.check_alive()
+            time.sleep(delay)
+            delay, then = then, min(cap, 2 * then)
+        now = time.monotonic()
+        if self.last_free is not None and step > self.last_free[1]:
+            per_step = (now - self.last_free[0]) / (step - self.last_free[1])
+            prev = self.step_time
+            self.step_time = per_step if prev is None else 0.75 * prev + 0.25 * per_step
+        self.last_free = (now, step)
+
+    def poll_cap(self, step_time: float) -> float:
         """The longest sleep between two looks at a full ring (see _LATE_FRACTION)."""
-        if self.free_interval is None:
-            return _MIN_POLL_S
-        ahead = (self.ring.spec.depth - 1) * self.free_interval
+        ahead = max(self.ring.spec.depth - self.burst, 1) * step_time
         return min(_MAX_POLL_S, max(_MIN_POLL_S, _LATE_FRACTION * ahead))
 
     def check_alive(self) -> None:

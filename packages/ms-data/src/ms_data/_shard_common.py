@@ -22,10 +22,14 @@ __all__ = [
     "token_dtype",
 ]
 
-#: 64k tokens: 128 KiB of uint16 before compression, small enough that a short
-#: document costs little extra reading, large enough for zstd to find its matches
-#: (see tools/bench/data/format_bench.py for the trade-off measured).
-DEFAULT_CHUNK_TOKENS = 65536
+#: 8k tokens: 16 KiB of uint16 before compression. A shuffled sample decompresses
+#: every chunk it overlaps, so the chunk size is the read amplification of random
+#: access: at 64k tokens a 129-token sample decoded 128 KiB, and decompression was
+#: 55% of ``PackedDataset.sample`` (about 2 ms of CPU per micro-batch, on the cores
+#: the training step uses). 8k decodes 8x less for about 20% larger files on byte
+#: tokens (zstd finds fewer matches in a smaller window; BPE tokens compress little
+#: at any size); tools/bench/data/format_bench.py measures both sides.
+DEFAULT_CHUNK_TOKENS = 8192
 DEFAULT_LEVEL = 3
 #: File name suffix of a shard; ``Corpus(directory)`` picks up exactly these files.
 SHARD_SUFFIX = ".mss"

@@ -5,6 +5,11 @@ after that a read fetches only the chunks it overlaps, in one ranged read, and
 checks each (crc32, zstd's checksum, length). A reader pickles as its URL (plus an
 explicit filesystem, if one was given), so a loader process reopens the shard
 instead of receiving its contents.
+
+Local files are read with ``os.pread`` on a descriptor kept open (``_LocalFiles``)
+rather than through ``fsspec``'s ``cat_file``, which opens and closes the file on every
+call: for a shuffled sample that touches one small chunk, the open, the close and
+fsspec's path handling cost as much as the decompression.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ from __future__ import annotations
 import operator
 import os
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import fsspec
 import numpy as np
 import numpy.typing as npt
 import zstandard
+from fsspec.implementations.local import LocalFileSystem
 
 from ms_data import _format as fmt
 from ms_data._shard_common import ChunkCorruptError, ShardError, resolve
@@ -26,6 +33,51 @@ __all__ = ["ShardReader"]
 
 # verify() reads chunks in ranged reads of about this many bytes.
 _VERIFY_READ_BYTES = 16 << 20
+# Local shards kept open per process; a corpus of thousands of shards must not use up
+# the process's file descriptors (often 1024).
+_MAX_OPEN_FILES = 64
+
+
+class _LocalFiles:
+    """Read-only descriptors of local shards, the least recently used closed first.
+
+    ``pread`` does not move a file offset, so threads and forked children (DataLoader
+    workers inherit the descriptors) can share one descriptor. Reads hold the lock so
+    that an eviction never closes a descriptor another thread is reading from (whose
+    number the kernel could hand to an unrelated file meanwhile).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._fds: OrderedDict[str, int] = OrderedDict()
+
+    def after_fork(self) -> None:
+        # Another thread may have held the lock when the process forked.
+        self._lock = threading.Lock()
+
+    def forget(self, path: str) -> None:
+        """Close ``path``'s descriptor: a new reader must see the file now at that path."""
+        with self._lock:
+            fd = self._fds.pop(path, None)
+            if fd is not None:
+                os.close(fd)
+
+    def pread(self, path: str, start: int, end: int) -> bytes:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                self._fds[path] = fd
+                if len(self._fds) > self.limit:
+                    os.close(self._fds.popitem(last=False)[1])
+            else:
+                self._fds.move_to_end(path)
+            return os.pread(fd, end - start, start)
+
+
+_local_files = _LocalFiles(_MAX_OPEN_FILES)
+os.register_at_fork(after_in_child=_local_files.after_fork)
 
 
 class ShardReader:
@@ -55,6 +107,8 @@ class ShardReader:
         self.path = os.fspath(url)
         self.fs, self._fs_path = resolve(url, fs)
         self._explicit_fs = fs is not None
+        # Exactly fsspec's LocalFileSystem (a subclass may count or change reads).
+        self._local_file = type(self.fs) is LocalFileSystem
         # One decoded chunk: consecutive documents mostly share their boundary chunk.
         self._cache: tuple[int, np.ndarray] | None = None
         self._local = threading.local()  # a zstd context per thread (they are not shareable)
@@ -64,7 +118,10 @@ class ShardReader:
         return ShardError(self.path, offset, reason)
 
     def _read(self, start: int, end: int) -> bytes:
-        data = bytes(self.fs.cat_file(self._fs_path, start=start, end=end))
+        if self._local_file:
+            data = _local_files.pread(self._fs_path, start, end)
+        else:
+            data = bytes(self.fs.cat_file(self._fs_path, start=start, end=end))
         if len(data) != end - start:
             raise self._error(
                 start + len(data),
@@ -73,6 +130,9 @@ class ShardReader:
         return data
 
     def _open(self) -> None:
+        if self._local_file:
+            # The file may have been replaced since another reader opened this path.
+            _local_files.forget(self._fs_path)
         size = self.fs.size(self._fs_path)
         if size is None:  # the footer is found from the end: the size is needed
             raise self._error(0, f"{type(self.fs).__name__} does not report the file's size")

@@ -7,16 +7,34 @@ slots. A slot holds one training step for every data-parallel rank of the node:
 Synchronisation is by sequence counters, no locks, so that processes that share
 nothing but the segment's name (torchrun ranks, the reader) can use it:
 
-- the reader fills slot ``t % depth`` with step ``t``, then stores ``ready[slot] = t``;
-- local rank ``l`` waits until ``ready[t % depth] == t``, copies its slice, then
-  stores ``consumed[l] = t``;
+- the reader fills slot ``t % depth`` with step ``t``, stores a digest of each dp
+  slice (``sums``), then stores ``ready[slot] = t``;
+- local rank ``l`` waits until ``ready[t % depth] == t``, copies its slice, checks the
+  copy against its digest (retrying until it matches), then stores ``consumed[l] = t``;
 - the reader writes step ``t`` only once ``min(consumed) >= t - depth``: every rank
   has copied the step the slot held before (back-pressure).
 
-Each counter has a single writer and is an aligned 8-byte word; x86-64 (the only
-target so far) makes such stores atomic and keeps store order (TSO), so a rank that
-sees ``ready[slot] == t`` also sees the slot's data. Weakly ordered CPUs (ARM) would
-need a fence between the payload and the counter, which Python does not expose.
+**Memory order.** Each counter has a single writer and is an aligned 8-byte word,
+whose stores and loads are single-copy atomic on every 64-bit target (x86-64,
+AArch64, POWER, s390x, RISC-V); other machines are refused (``check_platform``).
+Their order is another matter: x86 keeps stores in order (TSO), but ARM and POWER
+may show another core the counter before the payload, and Python exposes no fence.
+So nothing here relies on order; every record one process publishes to another is
+checked, seqlock-style, by its reader: the slot's payload, the header's fixed
+fields, the reader's failure record each carry a 64-bit blake2b digest, in one
+8-byte word written after the data and keyed by the step (or the record's own
+fields), and whoever reads them retries until the digest matches what it copied.
+A counter seen before its payload, or a stale digest from the slot's previous step,
+fails the check (a false match has probability 2^-64). Costs: one blake2b pass over
+each rank's slice per step on both sides, a few microseconds per KiB, at the ring's
+rate of one step per training step; no system call, so a ready batch still costs
+only its copy. The other direction needs no digest: a rank's store of
+``consumed[l]`` depends on the result of the check, which depends on every byte it
+copied, and no CPU makes a store visible before the branch it depends on resolves,
+so the reader cannot see a slot freed before the rank has read it; the reader in
+turn writes a slot only after a branch on ``consumed``. The reader process sees
+the header and the initial counters because it is started (fork, exec, a pipe)
+after rank 0 wrote them.
 
 The header also records who created the segment and who reads for it (pid, process
 start time, boot id), so that a later run can tell a stale segment from a live one
@@ -36,10 +54,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import mmap
 import os
 import pickle
+import platform
+import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +76,9 @@ __all__ = [
     "RingSpec",
     "ShmRing",
     "ShmSpaceError",
+    "check_platform",
     "describe_segment",
+    "digest",
     "shm_free_bytes",
     "space_message",
     "sweep_stale",
@@ -65,7 +89,8 @@ SHM_DIR = "/dev/shm"
 #: at these names only.
 PREFIX = "ms_data_"
 MAGIC = 0x31617461645F736D  # b"ms_data1" little-endian
-VERSION = 1
+# 2: slot digests, header and failure digests (memory order, see above).
+VERSION = 2
 #: Ring dtypes a header can name (the index is stored).
 DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
 _ERROR_TEXT_BYTES = 16384
@@ -83,7 +108,33 @@ _CREATOR_PID, _CREATOR_START, _BOOT_HI, _BOOT_LO = 13, 14, 15, 16
 _READER_PID, _READER_START, _READER_STATE, _HEARTBEAT_NS = 17, 18, 19, 20
 _STOP, _ERROR_STEP, _ERROR_TEXT_LEN, _ERROR_PICKLE_LEN = 21, 22, 23, 24
 _PID_NS = 25
+_HEAD_SUM, _ERROR_SUM = 26, 27
 _N_FIELDS = 32
+# Written once by the creator before _INIT_DONE; covered by _HEAD_SUM.
+_FIXED = (
+    _MAGIC,
+    _VERSION,
+    _TOTAL_BYTES,
+    _DEPTH,
+    _N_RANKS,
+    _TP_SIZE,
+    _MICRO_BATCH,
+    _ROW_LEN,
+    _DTYPE,
+    _DP_FIRST,
+    _DP_SIZE,
+    _START_STEP,
+    _CREATOR_PID,
+    _CREATOR_START,
+    _BOOT_HI,
+    _BOOT_LO,
+    _PID_NS,
+)
+#: Machines whose aligned 8-byte loads and stores are single-copy atomic (the protocol
+#: needs nothing else from the hardware); ``platform.machine()`` names.
+ATOMIC_64_MACHINES = frozenset(
+    {"x86_64", "amd64", "aarch64", "arm64", "ppc64le", "ppc64", "s390x", "riscv64"}
+)
 
 # Reader states.
 STARTING, RUNNING, FAILED, EXITED = 0, 1, 2, 3
@@ -93,6 +144,30 @@ DETACHED = np.iinfo(np.int64).max
 
 class ShmSpaceError(RuntimeError):
     """/dev/shm has less free space than the ring needs."""
+
+
+def check_platform(machine: str | None = None, pointer_bits: int | None = None) -> None:
+    """Refuse a machine whose 8-byte counters could be torn (a 32-bit CPU).
+
+    ``machine`` and ``pointer_bits`` default to this interpreter's; passing them
+    checks another machine. Raises ``RuntimeError`` naming the machine.
+    """
+    machine = platform.machine() if machine is None else machine
+    bits = (64 if sys.maxsize > 2**32 else 32) if pointer_bits is None else pointer_bits
+    if machine.lower() not in ATOMIC_64_MACHINES or bits != 64:
+        raise RuntimeError(
+            f"the NodeLoader ring needs single-copy atomic 8-byte loads and stores (a 64-bit "
+            f"CPU: {', '.join(sorted(ATOMIC_64_MACHINES))}) and a 64-bit Python, got machine "
+            f"{machine!r} with {bits}-bit pointers; use a DataLoader per rank there"
+        )
+
+
+def digest(key: int, *parts: Any) -> int:
+    """64-bit blake2b of ``key`` and the bytes of ``parts``, as a signed int64."""
+    h = hashlib.blake2b(key.to_bytes(8, "little", signed=True), digest_size=8)
+    for part in parts:
+        h.update(part)
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 @dataclass(frozen=True)
@@ -132,7 +207,7 @@ class RingSpec:
 
     @property
     def header_bytes(self) -> int:
-        raw = 8 * (_N_FIELDS + self.depth + 3 * self.n_ranks)
+        raw = 8 * (_N_FIELDS + self.depth + 3 * self.n_ranks + self.depth * self.dp_local)
         return _round_up(raw + _ERROR_TEXT_BYTES + _ERROR_PICKLE_BYTES, _ALIGN)
 
     @property
@@ -201,21 +276,25 @@ class ShmRing:
         self.name = shm.name
         self.spec = spec
         self._shm = shm
-        self._inode = shm.inode
+        #: The segment's inode: tells this ring from a later one of the same name.
+        self.inode = shm.inode
         buf = shm.buf
         d, n = spec.depth, spec.n_ranks
         self.header: np.ndarray[Any, np.dtype[np.int64]] = np.ndarray(
             (_N_FIELDS,), np.int64, buffer=buf
         )
-        arrays = np.ndarray((d + 3 * n,), np.int64, buffer=buf, offset=8 * _N_FIELDS)
+        dl = spec.dp_local
+        arrays = np.ndarray((d + 3 * n + d * dl,), np.int64, buffer=buf, offset=8 * _N_FIELDS)
         #: ``ready[s]``: the step slot ``s`` holds, -1 for none yet.
         self.ready = arrays[:d]
         #: ``consumed[l]``: the last step local rank ``l`` copied out.
         self.consumed = arrays[d : d + n]
         #: ``rank_pid[l]``, ``rank_start[l]``: who local rank ``l`` is (0: not attached).
         self.rank_pid = arrays[d + n : d + 2 * n]
-        self.rank_start = arrays[d + 2 * n :]
-        text_at = 8 * (_N_FIELDS + d + 3 * n)
+        self.rank_start = arrays[d + 2 * n : d + 3 * n]
+        #: ``sums[s, i]``: digest of dp slice ``i`` of the step slot ``s`` holds.
+        self.sums = arrays[d + 3 * n :].reshape(d, dl)
+        text_at = 8 * (_N_FIELDS + d + 3 * n + d * dl)
         self._error_text = np.ndarray((_ERROR_TEXT_BYTES,), np.uint8, buffer=buf, offset=text_at)
         self._error_pickle = np.ndarray(
             (_ERROR_PICKLE_BYTES,), np.uint8, buffer=buf, offset=text_at + _ERROR_TEXT_BYTES
@@ -261,34 +340,44 @@ class ShmRing:
         ring.consumed[:] = spec.start_step - 1
         h[_VERSION] = VERSION
         h[_MAGIC] = MAGIC
-        h[_INIT_DONE] = 1  # last: attachers wait for it
+        h[_HEAD_SUM] = _header_digest(h)
+        h[_INIT_DONE] = 1  # last: attachers wait for it (and check _HEAD_SUM)
         return ring
 
     @classmethod
-    def try_attach(cls, name: str, spec: RingSpec) -> ShmRing | None:
+    def try_attach(cls, name: str, spec: RingSpec, *, skip: Collection[int] = ()) -> ShmRing | None:
         """Attach to a live, initialised segment of this name; None while there is none.
 
-        Raises ``ValueError`` when the live segment was made for a different ring
-        (the ranks of a node disagree on their arguments).
+        A segment whose inode is in ``skip`` (one this process has left) counts as
+        none. Raises ``ValueError`` when the live segment was made for a different
+        ring (the ranks of a node disagree on their arguments).
         """
         try:
             shm = _Segment(name, create=False)
         except FileNotFoundError:
             return None  # not there yet
+        if shm.inode in skip:
+            shm.close()  # the ring this rank left; its successor is not there yet
+            return None
         if shm.size < 8 * _N_FIELDS:  # created, not sized yet
             shm.close()
             return None
         head = np.ndarray((_N_FIELDS,), np.int64, buffer=shm.buf).copy()
-        if head[_INIT_DONE] != 1 or head[_MAGIC] != MAGIC or not _owner_alive(head):
-            shm.close()  # being written, or stale: its creator will be replaced
+        if head[_INIT_DONE] != 1 or head[_MAGIC] != MAGIC:
+            shm.close()  # being written
             return None
-        if head[_VERSION] != VERSION:
+        if head[_VERSION] != VERSION and head[_VERSION] != 0:  # 0: not visible here yet
             shm.close()
             raise ValueError(
                 f"shared-memory segment {name} has ring format version {head[_VERSION]}, "
                 f"this ms_data writes version {VERSION}: the ranks of this node run "
                 "different ms_data versions"
             )
+        if head[_HEAD_SUM] != _header_digest(head) or not _owner_alive(head):
+            # Written but not all visible to this CPU yet (weak memory order), or stale:
+            # its creator will replace it. Either way, look again later.
+            shm.close()
+            return None
         wrong = [
             f"{_FIELD_NAMES[i]}: local rank 0 has {head[i]}, this rank {v}"
             for i, v in spec._fields().items()
@@ -302,6 +391,29 @@ class ShmRing:
                 + " (every local rank must pass the same arguments and state)"
             )
         return cls(shm, spec)
+
+    # -- the data path ----------------------------------------------------------------
+
+    def publish(self, step: int) -> None:
+        """Make step ``step``, already written to its slot, available to the ranks."""
+        slot = step % self.spec.depth
+        for i in range(self.spec.dp_local):
+            self.sums[slot, i] = digest(step, self.slots[slot, i])
+        self.ready[slot] = step  # last; the ranks check the digests anyway
+
+    def take(self, step: int, dp_index: int) -> np.ndarray[Any, Any] | None:
+        """A copy of dp slice ``dp_index`` of step ``step``; None until it is all visible.
+
+        None while the slot holds another step, and while the copy does not match the
+        slice's digest: the counter became visible before the payload or the digest.
+        """
+        slot = step % self.spec.depth
+        if self.ready[slot] != step:
+            return None
+        out: np.ndarray[Any, Any] = self.slots[slot, dp_index].copy()
+        if digest(step, out) != self.sums[slot, dp_index]:
+            return None
+        return out
 
     # -- header access --------------------------------------------------------------
 
@@ -385,24 +497,33 @@ class ShmRing:
         if 0 < len(blob) <= _ERROR_PICKLE_BYTES:
             self._error_pickle[: len(blob)] = np.frombuffer(blob, np.uint8)
             self.header[_ERROR_PICKLE_LEN] = len(blob)
+        else:
+            blob = b""
         self.header[_ERROR_STEP] = step
+        self.header[_ERROR_SUM] = _error_digest(step, raw, blob)
         self.header[_READER_STATE] = FAILED
 
-    @property
-    def error_step(self) -> int:
-        return int(self.header[_ERROR_STEP])
-
-    def error(self) -> tuple[str, BaseException | None]:
-        """The recorded failure: its text, and the exception itself when it unpickles."""
-        text = self._error_text[: int(self.header[_ERROR_TEXT_LEN])].tobytes().decode("utf-8")
-        n = int(self.header[_ERROR_PICKLE_LEN])
+    def failure(self) -> tuple[int, str, BaseException | None] | None:
+        """The recorded failure: its step, its text, and the exception itself when it
+        unpickles; None while there is none, or it is not all visible yet."""
+        if self.reader_state != FAILED:
+            return None
+        step = int(self.header[_ERROR_STEP])
+        n_text = int(self.header[_ERROR_TEXT_LEN])
+        n_pickle = int(self.header[_ERROR_PICKLE_LEN])
+        if not (0 <= n_text <= _ERROR_TEXT_BYTES and 0 <= n_pickle <= _ERROR_PICKLE_BYTES):
+            return None
+        raw = self._error_text[:n_text].tobytes()
+        blob = self._error_pickle[:n_pickle].tobytes()
+        if self.header[_ERROR_SUM] != _error_digest(step, raw, blob):
+            return None
         exc: BaseException | None = None
-        if n:
+        if blob:
             with contextlib.suppress(Exception):
-                loaded = pickle.loads(self._error_pickle[:n].tobytes())
+                loaded = pickle.loads(blob)
                 if isinstance(loaded, BaseException):
                     exc = loaded
-        return text, exc
+        return step, raw.decode("utf-8", "replace"), exc
 
     # -- closing ----------------------------------------------------------------------
 
@@ -410,7 +531,7 @@ class ShmRing:
         """Remove the name, unless it now names someone else's newer segment."""
         path = os.path.join(SHM_DIR, self.name)
         try:
-            if self._inode and os.stat(path).st_ino != self._inode:
+            if self.inode and os.stat(path).st_ino != self.inode:
                 return
         except FileNotFoundError:
             return
@@ -418,12 +539,21 @@ class ShmRing:
 
     def close(self) -> None:
         """Unmap. Views handed out earlier must be gone (copies are fine)."""
-        for attr in ("header", "ready", "consumed", "rank_pid", "rank_start", "slots"):
+        for attr in ("header", "ready", "consumed", "rank_pid", "rank_start", "sums", "slots"):
             self.__dict__.pop(attr, None)
         self.__dict__.pop("_error_text", None)
         self.__dict__.pop("_error_pickle", None)
         with contextlib.suppress(BufferError):
             self._shm.close()
+
+
+def _header_digest(head: np.ndarray[Any, np.dtype[np.int64]]) -> int:
+    return digest(VERSION, np.ascontiguousarray(head[list(_FIXED)]))
+
+
+def _error_digest(step: int, text: bytes, blob: bytes) -> int:
+    lengths = np.array([len(text), len(blob)], np.int64)
+    return digest(step, lengths, text, blob)
 
 
 def _owner_alive(head: np.ndarray[Any, np.dtype[np.int64]]) -> bool:

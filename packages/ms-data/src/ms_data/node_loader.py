@@ -17,13 +17,17 @@ order, ``GB = dp_size * micro_batch`` (docs/design.md).
 shards; the dataset keeps eos and pad ids within it): 4x (2x) less shared memory and
 copy traffic than int64. The reader checks every sample fits; ranks get int64.
 
-**Names.** ``/dev/shm/ms_data_<job>_<name>_d<dp_first>_i<k>``: ``<job>`` is ``job_id``,
-else torchrun's ``TORCHELASTIC_RUN_ID`` joined with ``MASTER_ADDR:MASTER_PORT`` (the run
-id alone is ``"none"`` unless ``--rdzv-id`` is given); ``dp_first`` tells the nodes of one
-host apart; ``k`` counts this process's rings of that name (each ``load_state_dict``
-after the start opens a new one), the same on every rank because they run the same
-program. The ranks of a node agree on the name without talking to each other, so
-outside torchrun ``job_id`` is required unless there is a single local rank.
+**Names.** ``/dev/shm/ms_data_<job>_<name>_d<dp_first>_s<step>``: ``<job>`` is
+``job_id``, else torchrun's ``TORCHELASTIC_RUN_ID`` joined with ``MASTER_ADDR:MASTER_PORT``
+(the run id alone is ``"none"`` unless ``--rdzv-id`` is given); ``dp_first`` tells the
+nodes of one host apart; ``step`` is the ring's first step (each ``load_state_dict``
+after the start opens a new ring there). Every part comes from the arguments and the
+state, which the ranks share, not from what a process did before: a rank that loaded
+its state before its first batch and one that loaded it after agree. The ranks of a
+node agree on the name without talking to each other, so outside torchrun ``job_id``
+is required unless there is a single local rank. A rank never attaches again to a
+segment it has left: after a ``load_state_dict`` back to the same step it waits for
+local rank 0's new ring of that name.
 
 **Cleanup.** Local rank 0 owns the segment: ``close()``, the context manager, garbage
 collection and interpreter exit (``weakref.finalize``) stop the reader and unlink it;
@@ -55,7 +59,6 @@ import subprocess
 import sys
 import time
 import weakref
-from collections import Counter
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
@@ -67,12 +70,12 @@ from ms_data import _cleanup
 from ms_data._layout import RankLayout, check_int, segment_namespace
 from ms_data._reader import ReaderArgs
 from ms_data._shm_ring import (
-    FAILED,
     PREFIX,
     Backoff,
     RingSpec,
     ShmRing,
     ShmSpaceError,
+    check_platform,
     describe_segment,
     shm_free_bytes,
     space_message,
@@ -87,8 +90,6 @@ _CHECK_EVERY_S = 0.01
 # How long close() waits for the reader to exit before it kills it.
 _READER_EXIT_S = 5.0
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
-# Rings this process has opened per namespace: the k in the segment name.
-_instances: Counter[str] = Counter()
 _BOOTSTRAP = (
     "import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
     "from ms_data._reader import main; main(sys.stdin.buffer)"
@@ -158,6 +159,10 @@ class NodeLoader:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise ValueError(f"name must match {_NAME_RE.pattern}, got {name!r}")
+        try:
+            check_platform()
+        except RuntimeError as e:
+            raise NodeLoaderError(str(e)) from None
         if not callable(getattr(dataset, "sample", None)) or not hasattr(dataset, "seq_len"):
             raise TypeError(
                 "dataset must have seq_len and sample(g) (a PackedDataset), got "
@@ -210,6 +215,8 @@ class NodeLoader:
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._signal_key: int | None = None
         self._closed = False
+        # Inodes of the segments this rank attached to: never attach to one again.
+        self._left: set[int] = set()
         self.segment_name: str | None = None
         # The data-wait metric (stats()). The first batch of every ring start (the
         # reader's start-up) counts apart, in startup_wait_s.
@@ -251,14 +258,15 @@ class NodeLoader:
             raise NodeLoaderError(f"NodeLoader {self.name!r} is closed")
         ring = self._ring if self._ring is not None else self._start()
         step = self._step
-        slot = step % self.depth
-        t0 = time.perf_counter()
-        if ring.ready[slot] != step:
-            self._wait(ring, step)
-        t1 = time.perf_counter()
-        out = torch.empty((self.micro_batch, self.seq_len + 1), dtype=torch.int64)
-        out.numpy()[...] = ring.slots[slot, self.dp_index]
-        ring.consumed[self.local_rank] = step  # after the copy: the slot may be reused
+        # t1: when the take that succeeded began; before it the rank waited for data,
+        # after it, it copied (and checked the copy against its digest).
+        t0 = t1 = time.perf_counter()
+        raw = ring.take(step, self.dp_index)
+        if raw is None:
+            raw, t1 = self._wait(ring, step)
+        out = torch.from_numpy(raw.astype(np.int64))
+        # After the checked copy, and dependent on the check: the slot may be reused.
+        ring.consumed[self.local_rank] = step
         t2 = time.perf_counter()
         self._step += 1
         self.batches += 1
@@ -273,21 +281,25 @@ class NodeLoader:
         self._last_done_at = t2
         return out
 
-    def _wait(self, ring: ShmRing, step: int) -> None:
-        slot = step % self.depth
+    def _wait(self, ring: ShmRing, step: int) -> tuple[np.ndarray, float]:
+        """Poll until step ``step``'s slice is published and whole; raise on failure or
+        timeout. Returns the slice and when the successful take began."""
         backoff = Backoff()
         deadline = time.monotonic() + self.timeout
         next_check = 0.0
-        while ring.ready[slot] != step:
-            if ring.reader_state == FAILED and step >= ring.error_step:
-                raise self._reader_failure(ring, step)
+        began = time.perf_counter()
+        while (raw := ring.take(step, self.dp_index)) is None:
+            failure = ring.failure()
+            if failure is not None and step >= failure[0]:
+                raise self._reader_failure(ring, step, failure)
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _CHECK_EVERY_S
                 alive = self._reader_alive(ring)
-                if alive is False and ring.ready[slot] != step:
-                    if ring.reader_state == FAILED:
-                        raise self._reader_failure(ring, step)
+                if alive is False and ring.take(step, self.dp_index) is None:
+                    failure = ring.failure()
+                    if failure is not None:
+                        raise self._reader_failure(ring, step, failure)
                     raise NodeLoaderError(
                         f"the NodeLoader reader process (pid {ring.reader_pid}, "
                         f"{self._reader_exit()}) is gone; local rank {self.local_rank} was "
@@ -308,6 +320,8 @@ class NodeLoader:
                         "timeout if reading a step can take that long"
                     )
             backoff.sleep()
+            began = time.perf_counter()
+        return raw, began
 
     def _reader_alive(self, ring: ShmRing) -> bool | None:
         if self._reader is not None:
@@ -320,11 +334,13 @@ class NodeLoader:
         code = self._reader.returncode
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
-    def _reader_failure(self, ring: ShmRing, step: int) -> NodeLoaderError:
-        text, exc = ring.error()
+    def _reader_failure(
+        self, ring: ShmRing, step: int, failure: tuple[int, str, BaseException | None]
+    ) -> NodeLoaderError:
+        at, text, exc = failure
         err = NodeLoaderError(
             f"the NodeLoader reader process (pid {ring.reader_pid}) failed at step "
-            f"{ring.error_step} (local rank {self.local_rank} asked for step {step}): {text}"
+            f"{at} (local rank {self.local_rank} asked for step {step}): {text}"
         )
         err.__cause__ = exc
         return err
@@ -333,9 +349,7 @@ class NodeLoader:
 
     def _start(self) -> ShmRing:
         self._starting = True
-        k = _instances[self._namespace]
-        _instances[self._namespace] += 1
-        name = f"{PREFIX}{self._namespace}_i{k}"
+        name = f"{PREFIX}{self._namespace}_s{self._step}"
         self.segment_name = name
         spec = self._spec()
         if self.local_rank == 0:
@@ -387,9 +401,10 @@ class NodeLoader:
         deadline = time.monotonic() + self.timeout
         backoff = Backoff(cap=0.01)
         while True:
-            ring = ShmRing.try_attach(name, spec)
+            ring = ShmRing.try_attach(name, spec, skip=self._left)
             if ring is not None:
                 ring.register_rank(self.local_rank)
+                self._left.add(ring.inode)
                 return ring
             if time.monotonic() >= deadline:
                 raise NodeLoaderError(
