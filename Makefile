@@ -61,6 +61,7 @@ bench-kernels: $(STAMP)
 bench-data: $(STAMP)
 	$(BIN)/python tools/bench/data/format_bench.py --reps 9
 	$(BIN)/python tools/bench/data/node_loading.py --reps 3
+	$(BIN)/python tools/bench/data/reader_cost.py --reps 5
 
 bench-ckpt: $(STAMP)
 	$(BIN)/python tools/bench/ckpt/stall.py --gib 1 --reps 3

@@ -309,7 +309,7 @@ class Trainer:
         """Load the newest committed checkpoint when resuming is on; the step to start at."""
         if not self.config.checkpoint.resume:
             return 0
-        has = self._agree(any(self.checkpointer.steps().values()) if self.rank == 0 else None)
+        has = self._agree(self.checkpointer.latest_step() is not None if self.rank == 0 else None)
         if not has:
             return 0
         state = self._state()
