@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 import sys
 import time
 import uuid
@@ -295,6 +296,33 @@ def test_hook_must_be_callable_and_pickle_for_a_writer_process(tmp_path: Path) -
     with pytest.raises(TypeError, match="hook must pickle, since it runs in the writer process"):
         Checkpointer(str(tmp_path), hook=lambda point, step: None)
     Checkpointer(str(tmp_path), stage2="inline", hook=lambda point, step: None).finalize()
+
+
+@pytest.mark.slow
+def test_a_hook_from_the_users_script_is_refused_for_a_writer_process(tmp_path: Path) -> None:
+    """A function of the running script pickles as __main__.f, which the writer's own
+    interpreter cannot find: refused when the Checkpointer is built, not at a save."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        "from ms_ckpt import Checkpointer\n"
+        "def hook(point, step):\n"
+        "    pass\n"
+        "try:\n"
+        "    Checkpointer(sys.argv[1], hook=hook)\n"
+        "except TypeError as e:\n"
+        "    print(e)\n"
+        "    sys.exit(3)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "hook must be importable from a module" in proc.stdout
+    assert "__main__" in proc.stdout
 
 
 def test_writer_process_imports_no_torch(tmp_path: Path) -> None:

@@ -244,6 +244,41 @@ def test_ranks_agree_on_the_segment_whatever_they_did_before(corpus_dir: Path) -
     assert job_segments(job) == []
 
 
+def other_data(corpus_dir: str | Path) -> PackedDataset:
+    """The same shapes as make_dataset's (so the same ring spec), other samples."""
+    return PackedDataset(Corpus(str(corpus_dir)), SEQ_LEN, seed=8, eos_id=EOS)
+
+
+def rank_rebuilds_its_loader(corpus_dir: str, job: str) -> dict[str, Any]:
+    """Both ranks replace their loader by one of the same name and first step over other
+    data; local rank 1 asks the new one for a batch while local rank 0 still holds the
+    old ring open, whose spec matches."""
+    rank = dist.get_rank()
+    old = NodeLoader(make_dataset(corpus_dir), micro_batch=MICRO, job_id=job, timeout=20)
+    next(old)
+    dist.barrier()
+    if rank == 0:
+        time.sleep(2.0)  # the old ring stays alive while rank 1 looks for the new one
+    old.close()
+    new = NodeLoader(other_data(corpus_dir), micro_batch=MICRO, job_id=job, timeout=20)
+    batch = next(new).numpy()
+    out = {"batch": batch, "step": new.step}
+    dist.barrier()
+    new.close()
+    return out
+
+
+@pytest.mark.slow
+def test_a_rebuilt_loader_never_joins_the_old_ring(corpus_dir: Path) -> None:
+    job = new_job()
+    results = run_ranks(rank_rebuilds_its_loader, 2, args=(str(corpus_dir), job))
+    ref = other_data(corpus_dir)
+    for rank, res in enumerate(results):
+        np.testing.assert_array_equal(res["batch"], expected_batch(ref, 0, rank, 2, MICRO))
+        assert res["step"] == 1
+    assert job_segments(job) == []
+
+
 # -- resume ------------------------------------------------------------------------------------
 
 
@@ -284,7 +319,7 @@ def test_resume_continues_the_stream(corpus_dir: Path) -> None:
     odd = single_loader(make_dataset(corpus_dir), job, dp_rank=0, dp_size=1, micro_batch=5)
     with pytest.raises(ValueError, match="not a step boundary"):
         odd.load_state_dict(state)
-    other_seed = PackedDataset(Corpus(str(corpus_dir)), SEQ_LEN, seed=8, eos_id=EOS)
+    other_seed = other_data(corpus_dir)
     wrong = single_loader(other_seed, job, dp_rank=0, dp_size=1)
     with pytest.raises(ValueError, match="seed"):
         wrong.load_state_dict(state)

@@ -166,6 +166,15 @@ class Checkpointer:
             if not callable(hook):
                 raise TypeError(f"hook must be callable as hook(point, step), got {hook!r}")
             if stage2 == "process":
+                # The writer is its own interpreter (python -c): a hook from the user's
+                # script pickles as __main__.<name> but cannot be found there.
+                owner = getattr(hook, "__module__", None) or type(hook).__module__
+                if owner == "__main__" or type(hook).__module__ == "__main__":
+                    raise TypeError(
+                        f"hook must be importable from a module, since it runs in the writer "
+                        f"process, which does not run your script; got {hook!r} from "
+                        "__main__ (move it into a module, or use stage2='inline')"
+                    )
                 try:
                     pickle.dumps(hook)
                 except Exception as e:

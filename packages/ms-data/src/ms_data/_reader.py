@@ -253,6 +253,10 @@ class _Reader:
         if self.last_free is not None and step > self.last_free[1]:
             per_step = (now - self.last_free[0]) / (step - self.last_free[1])
             prev = self.step_time
+            if prev is not None:
+                # A pause of the ranks (a checkpoint, an eval) is not their pace: one
+                # such sample would make the next first sleeps long enough to starve them.
+                per_step = min(per_step, 4 * prev)
             self.step_time = per_step if prev is None else 0.75 * prev + 0.25 * per_step
         self.last_free = (now, step)
 

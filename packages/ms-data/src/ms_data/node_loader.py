@@ -25,9 +25,9 @@ after the start opens a new ring there). Every part comes from the arguments and
 state, which the ranks share, not from what a process did before: a rank that loaded
 its state before its first batch and one that loaded it after agree. The ranks of a
 node agree on the name without talking to each other, so outside torchrun ``job_id``
-is required unless there is a single local rank. A rank never attaches again to a
-segment it has left: after a ``load_state_dict`` back to the same step it waits for
-local rank 0's new ring of that name.
+is required unless there is a single local rank. A process never attaches again to a
+segment one of its loaders has left: after a ``load_state_dict`` back to the same step,
+or in a loader rebuilt with the same name, it waits for local rank 0's new ring.
 
 **Cleanup.** Local rank 0 owns the segment: ``close()``, the context manager, garbage
 collection and interpreter exit (``weakref.finalize``) stop the reader and unlink it;
@@ -90,6 +90,11 @@ _CHECK_EVERY_S = 0.01
 # How long close() waits for the reader to exit before it kills it.
 _READER_EXIT_S = 5.0
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+# Inodes of the segments any loader of this process has attached to (tmpfs does not
+# reuse inode numbers). Per process, not per loader: a loader rebuilt with the same name
+# and first step must not attach to the old loader's ring, which local rank 0 may not
+# have closed yet when this rank asks.
+_LEFT: set[int] = set()
 _BOOTSTRAP = (
     "import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
     "from ms_data._reader import main; main(sys.stdin.buffer)"
@@ -215,8 +220,6 @@ class NodeLoader:
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._signal_key: int | None = None
         self._closed = False
-        # Inodes of the segments this rank attached to: never attach to one again.
-        self._left: set[int] = set()
         self.segment_name: str | None = None
         # The data-wait metric (stats()). The first batch of every ring start (the
         # reader's start-up) counts apart, in startup_wait_s.
@@ -401,10 +404,10 @@ class NodeLoader:
         deadline = time.monotonic() + self.timeout
         backoff = Backoff(cap=0.01)
         while True:
-            ring = ShmRing.try_attach(name, spec, skip=self._left)
+            ring = ShmRing.try_attach(name, spec, skip=_LEFT)
             if ring is not None:
                 ring.register_rank(self.local_rank)
-                self._left.add(ring.inode)
+                _LEFT.add(ring.inode)
                 return ring
             if time.monotonic() >= deadline:
                 raise NodeLoaderError(

@@ -623,7 +623,7 @@ def sliding_window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    # A window here is the pre-0.1.1 call, read with a FutureWarning until 0.2.
+    # A window here is the pre-0.2.0 call, read with a FutureWarning until 0.3.
     dropout_p: float | Sequence[int | None] | None = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
@@ -657,13 +657,13 @@ def sliding_window_attention(
         (batch, seqlen_q, heads_q, head_dim) in ``q``'s dtype.
     """
     if dropout_p is None or isinstance(dropout_p, (tuple, list)):
-        # Before 0.1.1 the fourth positional argument was the window; read it as one
+        # Before 0.2.0 the fourth positional argument was the window; read it as one
         # for a release, loudly, since flash-attn's order puts dropout_p there.
         if window is not None:
             raise TypeError(f"dropout_p must be a float, got {dropout_p!r} (and window={window!r})")
         warnings.warn(
             "sliding_window_attention: a window as the fourth positional argument is "
-            "deprecated and will be refused in 0.2; that place is flash-attn's dropout_p. "
+            "deprecated and will be refused in 0.3; that place is flash-attn's dropout_p. "
             f"Pass window={dropout_p!r}",
             FutureWarning,
             stacklevel=2,
