@@ -133,7 +133,13 @@ def test_train_throughput_smoke_writes_ratio_and_mfu(tmp_path: Path) -> None:
     assert record["smoke"] is True
     assert record["ratio"] > 0 and len(record["ratio_per_rep"]) == 1
     assert record["ratio_in_memory_batches"] > 0 and record["ratio_vs_plain_with_reads"] > 0
-    assert 0 < record["mfu"] < 1 and 0 < record["mfu_plain"] < 1
-    assert record["matmul_flops"]["before"] > 0
+    # MFU is the model FLOPs rate over the better of the two measured matmul rates (not
+    # asserted below 1: on a busy machine a measured rate says little).
+    rate = record["matmul_flops"]
+    assert rate["before"] > 0 and rate["after"] > 0
+    assert rate["best"] == max(rate["before"], rate["after"])
+    for key, name in (("mfu", "ms-train"), ("mfu_plain", "plain loop")):
+        flops = record["median_tokens_per_s"][name] * record["parameters"]["flops_per_token"]
+        assert record[key] == pytest.approx(flops / rate["best"], rel=1e-12), key
     assert record["losses_match"], record["loss_max_rel_diff"]
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "train_throughput.json"]

@@ -35,12 +35,13 @@ global batch 16, so 2 accumulated micro-batches per step, fp32 on CPU), the demo
 Each repetition runs all four, the order rotating, after one short untimed warm-up of
 each. Reported: median tokens/s and min-max of each,
 the ratio ms-train / plain of the medians and the min-max of the per-repetition ratios
-(target >= 0.95), the loss of step 1 and of the last step of both (the same math on the
+(target >= 0.97), the loss of step 1 and of the last step of both (the same math on the
 same data: a relative difference above 1e-4 is flagged, since then the benchmark would
 not compare the same thing), and CPU "MFU": model FLOPs per second
 (``tokens/s x model_flops_per_token(config.model).total``) over the rate of back-to-back 1024 x 1024
-fp32 matmuls measured in the same run (``matmul_peak_flops``, before the repetitions;
-that figure is passed to the Trainer; a second measurement after them shows the drift).
+fp32 matmuls measured in the same run (``matmul_peak_flops``, before the repetitions,
+that figure passed to the Trainer, and again after them; MFU is over the better of the
+two, since a busy moment only ever lowers the measured rate).
 
 Diagnostics, not the headline: the same tokens/s over steps 2..steps-1 only (for
 ms-train from its metrics.jsonl, the window between the step-1 and step-(steps-1) log
@@ -91,7 +92,7 @@ PLAIN = "plain loop"
 READS = "plain loop + reads"
 MS_MEM = "ms-train, in-memory batches"
 CANDIDATES = (MS, MS_MEM, PLAIN, READS)
-TARGET_RATIO = 0.95
+TARGET_RATIO = 0.97  # issue 13: ms-train within 3% of a plain loop
 LOSS_RTOL = 1e-4
 
 
@@ -342,7 +343,10 @@ def main() -> None:
     ratio_inner = med_inner[MS] / med_inner[PLAIN]
     ratio_reads = med[MS] / med[READS]
     per_rep_reads = [a / b for a, b in zip(rates[MS], rates[READS], strict=True)]
-    mfu = {n: med[n] * fpt / peak for n in CANDIDATES}
+    # The rate of a busy moment understates the machine: the better of the two
+    # measurements is the peak (with the rate before alone, MFU read 315% under load).
+    best = max(peak, peak_after)
+    mfu = {n: med[n] * fpt / best for n in CANDIDATES}
     loss_diff = max(
         max(rel_diff(a["first_loss"], b["first_loss"]), rel_diff(a["last_loss"], b["last_loss"]))
         for other in (MS_MEM, PLAIN, READS)
@@ -379,7 +383,7 @@ def main() -> None:
     )
     print(
         f"matmul rate: {peak / 1e9:.1f} GFLOP/s before, {peak_after / 1e9:.1f} after; "
-        f"CPU MFU = tokens/s x {fpt / 1e6:.2f} MFLOP/token / the rate before"
+        f"CPU MFU = tokens/s x {fpt / 1e6:.2f} MFLOP/token / the better of the two"
     )
     waits = [r["loader"]["data_wait_fraction"] for r in runs[MS]]
     ratio_mem = med[MS_MEM] / med[PLAIN]
@@ -438,7 +442,7 @@ def main() -> None:
             "timed": "steps 2..steps (the first step excluded)",
             "order": "rotating: rep r starts with candidate r % 4",
         },
-        "matmul_flops": {"before": peak, "after": peak_after},
+        "matmul_flops": {"before": peak, "after": peak_after, "best": best},
         "load_average_1_5_15_min": {"before": load_before, "after": load_after},
         "median_tokens_per_s": med,
         "min_tokens_per_s": {n: min(rates[n]) for n in CANDIDATES},
