@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import attrs
 
+from ms_train.errors import JobError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -34,7 +36,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(JobError, ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
