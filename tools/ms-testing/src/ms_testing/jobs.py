@@ -1,0 +1,66 @@
+"""Find what a job left behind: its processes and its shared-memory segments.
+
+A job started with ``tag_env(tag)`` passes the tag to every process it starts (ranks,
+loader readers, checkpoint writers, resource trackers inherit the environment), so its
+processes are found by the tag in ``/proc/PID/environ`` whatever session or process
+group they moved to. Linux only; reading another user's environ needs root or the same
+user, which is what tests and benchmarks here run as.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+__all__ = ["SHM_PREFIXES", "TAG_ENV", "shm_segments", "tag_env", "tagged_processes", "wait_gone"]
+
+#: The environment variable that carries a job's tag.
+TAG_ENV = "MS_TESTING_JOB"
+
+#: Name prefixes of the segments ms packages create in /dev/shm (ms-data's loader ring,
+#: ms-ckpt's host buffer).
+SHM_PREFIXES = ("ms_data_", "ms_ckpt_")
+
+
+def tag_env(tag: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) with the job tag set."""
+    return {**(os.environ if base is None else base), TAG_ENV: tag}
+
+
+def tagged_processes(tag: str) -> dict[int, str]:
+    """Live processes carrying ``tag``: pid -> command line (zombies count as gone)."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    found: dict[int, str] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if state != "Z":
+            found[int(proc.name)] = cmd.strip()
+    return found
+
+
+def wait_gone(tag: str, timeout: float) -> dict[int, str]:
+    """Poll until no process carries ``tag`` or ``timeout`` seconds pass; the survivors."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = tagged_processes(tag)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def shm_segments(prefixes: tuple[str, ...] = SHM_PREFIXES) -> set[str]:
+    """Names of the /dev/shm segments that start with one of ``prefixes``."""
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return set()
+    return {n for n in names if n.startswith(prefixes)}
