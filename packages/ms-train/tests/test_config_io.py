@@ -189,6 +189,17 @@ def test_file_errors_name_the_file_and_where(
     assert "\n" not in str(caught.value)
 
 
+def test_a_file_without_a_preset_names_the_fields_it_lacks(tmp_path: Path) -> None:
+    path = tmp_path / "partial.json"
+    path.write_text(json.dumps({"model": {"d_model": 64, "n_layers": 2}}))
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.vocab_size, model.n_heads, model.seq_len must be given \(no default\): "
+        r"in the file's \[model\] table, with --set, or by a --preset$",
+    ):
+        load_config(path)
+
+
 def test_a_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
     path = tmp_path / "latin1.toml"
     path.write_bytes(b"[train]\nsample_prompt = 'caf\xe9'\n")

@@ -512,8 +512,15 @@ def load_config(
     sections: dict[str, Any] = {}
     for section, cls in _SECTIONS.items():
         kwargs = values.get(section, {})
-        try:
-            sections[section] = cls(**kwargs)
-        except TypeError as e:  # a required field is missing
-            raise ConfigError(f"[{section}]: {e}") from e
+        missing = [
+            f"{section}.{f.name}"
+            for f in attrs.fields(cls)
+            if f.default is attrs.NOTHING and f.name not in kwargs
+        ]
+        if missing:
+            raise ConfigError(
+                f"{', '.join(missing)} must be given (no default): in the file's [{section}] "
+                "table, with --set, or by a --preset"
+            )
+        sections[section] = cls(**kwargs)
     return Config(**sections)
