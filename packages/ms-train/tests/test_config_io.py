@@ -160,6 +160,11 @@ def test_json_file_works_like_toml(tmp_path: Path) -> None:
     # JSON has a null: it sets a field to None over a preset's value.
     as_json.write_text(json.dumps({"model": {"window": None}}))
     assert load_config(as_json, preset="tiny").model.window is None
+    # A byte-order mark (some Windows editors write one) is not an error in either.
+    for path in (as_json, as_toml):
+        without = load_config(path, preset="tiny")
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+        assert load_config(path, preset="tiny") == without
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,9 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as e:
         raise _error(f"cannot read the config file {name!r}: {e}") from e
     try:
-        text = data.decode("utf-8")
+        # Some editors on Windows start UTF-8 files with a byte-order mark; both parsers
+        # would stop at it.
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise _error(f"{name}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from e
