@@ -25,6 +25,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 
+# deadline=None: a per-example time limit would be a timing assertion on a busy machine.
+@settings(deadline=None)
 @given(st.text())
 def test_toml_strings_round_trip(text: str) -> None:
     written = toml_string(text)
@@ -32,6 +34,7 @@ def test_toml_strings_round_trip(text: str) -> None:
     assert "\n" not in written  # one line: a basic string, never a multi-line one
 
 
+@settings(deadline=None)
 @given(st.one_of(st.booleans(), st.integers(-(1 << 63), (1 << 63) - 1), st.floats(allow_nan=False)))
 def test_toml_scalars_round_trip(value: Any) -> None:
     back = tomllib.loads(f"v = {toml_value(value)}")["v"]
