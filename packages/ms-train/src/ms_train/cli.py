@@ -7,6 +7,9 @@ re-launches itself through ``torchrun --standalone --nproc-per-node N``; under t
 
 ``ms-train flops`` prints model FLOPs per token and the MFU of a throughput, for a
 preset, a config file or explicit dimensions (``ms_train.flops``; docs/flops.md).
+
+``ms-train --version``, ``ms-train --print-config`` and ``ms-train config`` (every config
+key with its type, default and help) are in ``ms_train._cli_config``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from ms_train import flops
+from ms_train import _cli_config, flops
 from ms_train.config import PRESETS, ConfigError, load_config
 
 __all__ = ["main"]
@@ -66,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _source_options(fl.add_argument_group("model source"))
     flops.add_arguments(fl, required=False)
+    _cli_config.add_arguments(parser, train, sub)
     return parser
 
 
@@ -73,13 +77,16 @@ def _source_options(group: argparse._ArgumentGroup, default_note: str = "") -> N
     group.add_argument(
         "--preset", choices=sorted(PRESETS), help=f"a built-in configuration{default_note}"
     )
-    group.add_argument("--config", metavar="FILE", help="a TOML configuration file")
+    group.add_argument(
+        "--config", metavar="FILE", help="a TOML configuration file (JSON when named *.json)"
+    )
     group.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config field, e.g. model.n_layers=8 (repeatable)",
+        help="override a config field, e.g. model.n_layers=8 (repeatable; `ms-train config` "
+        "lists the fields)",
     )
 
 
@@ -115,6 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if args.command == "flops":
         return _flops(args)
+    if args.command == "config":
+        return _cli_config.run_config(args)
+    if args.version:
+        return _cli_config.print_versions()
+    if args.print_config:
+        return _cli_config.print_config(args)
     return _train(args, list(sys.argv[1:] if argv is None else argv))
 
 

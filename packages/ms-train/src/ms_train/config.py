@@ -1,8 +1,9 @@
 """Typed, validated configuration (attrs). Every check names the field it rejects.
 
 ``Config`` has one section per concern (``model``, ``data``, ``optim``, ``parallel``,
-``train``, ``checkpoint``); ``load_config`` builds it from a preset, a TOML file and
-``--set section.field=value`` overrides, in that order.
+``train``, ``checkpoint``); ``load_config`` builds it from a preset, a TOML or JSON file
+and ``--set section.field=value`` overrides, in that order. Each class's docstring entry
+for a field is that field's help (``ms-train config`` lists them).
 """
 
 from __future__ import annotations
@@ -366,6 +367,13 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: attrs.asdict(getattr(self, name)) for name in _SECTIONS}
 
+    def to_toml(self) -> str:
+        """Every field as TOML that ``load_config(path)`` reads back to an equal Config
+        (a None is left out, so its default, None, applies; see ``_config_io``)."""
+        from ms_train._config_io import config_to_toml  # it imports this module
+
+        return config_to_toml(self)
+
 
 # ------------------------------------------------------------------------- presets
 
@@ -478,7 +486,8 @@ def load_config(
     preset: str | None = None,
     overrides: list[str] | tuple[str, ...] = (),
 ) -> Config:
-    """The preset's values, then the TOML file's, then ``overrides`` (``"model.n_layers=8"``).
+    """The preset's values, then the file's (JSON when ``path`` ends in ``.json``, else
+    TOML), then ``overrides`` (``"model.n_layers=8"``).
 
     Without a preset or a file, ``tiny``. Raises ConfigError naming the field.
     """
@@ -489,14 +498,9 @@ def load_config(
     if start is not None:
         _merge(values, PRESETS[start], f"preset {start}")
     if path is not None:
-        try:
-            with open(path, "rb") as f:
-                doc = tomllib.load(f)
-        except OSError as e:
-            raise ConfigError(f"cannot read the config file {os.fspath(path)!r}: {e}") from e
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{os.fspath(path)}: not valid TOML: {e}") from e
-        _merge(values, doc, os.fspath(path))
+        from ms_train._config_io import read_config_file  # it imports this module
+
+        _merge(values, read_config_file(path), os.fspath(path))
     for item in overrides:
         key, sep, text = item.partition("=")
         section, dot, name = key.strip().partition(".")
@@ -508,8 +512,15 @@ def load_config(
     sections: dict[str, Any] = {}
     for section, cls in _SECTIONS.items():
         kwargs = values.get(section, {})
-        try:
-            sections[section] = cls(**kwargs)
-        except TypeError as e:  # a required field is missing
-            raise ConfigError(f"[{section}]: {e}") from e
+        missing = [
+            f"{section}.{f.name}"
+            for f in attrs.fields(cls)
+            if f.default is attrs.NOTHING and f.name not in kwargs
+        ]
+        if missing:
+            raise ConfigError(
+                f"{', '.join(missing)} must be given (no default): in the file's [{section}] "
+                "table, with --set, or by a --preset"
+            )
+        sections[section] = cls(**kwargs)
     return Config(**sections)
