@@ -155,9 +155,10 @@ class Trainer:
             ``data.shards``: an iterator of int64 tensors of shape ``(data.micro_batch,
             model.seq_len + 1)``, step ``t`` of rank ``r`` holding the samples the global
             stream gives it (see the module docstring). With ``state_dict`` /
-            ``load_state_dict`` it is checkpointed and resumed; ``data_wait_s`` and
-            ``wall_s`` counters, when it has them, feed the data-wait metric; ``close()``
-            is called by :meth:`close`.
+            ``load_state_dict`` it is checkpointed (one copy for all ranks) and resumed,
+            at another data-parallel size too, where the same step must mean the same
+            global samples; ``data_wait_s`` and ``wall_s`` counters, when it has them,
+            feed the data-wait metric; ``close()`` is called by :meth:`close`.
     """
 
     def __init__(
