@@ -485,3 +485,89 @@ def test_resumed_data_parallel_training_is_bit_identical(tmp_path: Path) -> None
     for a, b in zip(full, resumed, strict=True):
         assert b["losses"] == a["losses"][4:]
         assert torch.equal(a["weight"], b["weight"])
+
+
+class Tally:
+    """A per-rank Stateful that counts the loads it was given."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+        self.loads = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.value = sd["value"]
+        self.loads += 1
+
+
+def keep_state(rank: int, seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)  # the replicated model: the same on every rank
+    return {
+        "model": torch.nn.Linear(3, 2),
+        "mine": per_rank(Tally(100 * seed + rank)),
+        "rng": rng_state(),
+        "step": seed,
+    }
+
+
+def keep_load(root: str, rank: int) -> dict[str, Any]:
+    """Load with per_rank='keep' into fresh state; what came back and what stayed."""
+    fresh = keep_state(rank, 2)
+    without = {"model": torch.nn.Linear(3, 2)}  # leaves the per-rank keys out
+    torch.manual_seed(1000 + rank)
+    rng_before = torch.get_rng_state()
+    with Checkpointer(root) as ckpt:
+        assert ckpt.load(fresh, per_rank="keep") == 1
+        ckpt.load(without, per_rank="keep")
+    tally = fresh["mine"].value
+    return {
+        "weight": fresh["model"].weight.detach().clone(),
+        "step": fresh["step"],
+        "mine": (tally.value, tally.loads),
+        "rng_kept": torch.equal(torch.get_rng_state(), rng_before),
+        "keys": sorted(without),
+    }
+
+
+def rank_save_then_keep(root: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    state = keep_state(rank, 1)
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, state).wait(timeout=DEADLINE)
+    return keep_load(root, rank)
+
+
+def rank_keep(root: str) -> dict[str, Any]:
+    return keep_load(root, dist.get_rank())
+
+
+def test_per_rank_keep_loads_the_rest_under_another_dp_size(tmp_path: Path) -> None:
+    """Saved on 2 DP ranks. On 2 ranks, per_rank='keep' loads the per-rank values like
+    the default; on 1 rank and on 4 it loads the replicated state and leaves each live
+    per-rank value alone (no load_state_dict, the RNG as it was), where the default
+    refuses."""
+    root = str(tmp_path / "ckpt")
+    same = run_ranks(rank_save_then_keep, 2, args=(root,), timeout=120)
+    saved_weight = keep_state(0, 1)["model"].weight.detach()
+    for rank, r in enumerate(same):
+        assert r["mine"] == (100 + rank, 1) and not r["rng_kept"]
+        assert torch.equal(r["weight"], saved_weight) and r["step"] == 1
+        assert r["keys"] == ["mine", "model", "rng", "step"]  # materialized: same DP size
+
+    with Checkpointer(root) as ckpt, pytest.raises(CheckpointError) as info:
+        ckpt.load(keep_state(0, 2))
+    assert "data-parallel size changed from 2 to 1" in str(info.value)
+    assert "per_rank='keep'" in str(info.value)
+    with (
+        Checkpointer(root) as ckpt,
+        pytest.raises(ValueError, match="per_rank must be 'refuse' or 'keep', got 'skip'"),
+    ):
+        ckpt.load({}, per_rank="skip")  # type: ignore[arg-type]
+    one = keep_load(root, 0)
+    four = run_ranks(rank_keep, 4, args=(root,), timeout=120)
+    for rank, r in [(0, one), *enumerate(four)]:
+        assert r["mine"] == (200 + rank, 0) and r["rng_kept"], rank
+        assert torch.equal(r["weight"], saved_weight) and r["step"] == 1
+        assert r["keys"] == ["model", "step"]  # the per-rank values are not made up

@@ -326,6 +326,40 @@ def test_resume_continues_the_stream(corpus_dir: Path) -> None:
     assert job_segments(job) == []
 
 
+@pytest.mark.slow
+def test_a_state_saved_on_2_dp_ranks_resumes_on_1_and_on_4(corpus_dir: Path) -> None:
+    """The global order does not depend on the DP size, so a loader's state carries over
+    to any DP size whose global batch the saved position is a step boundary of: every
+    rank gets the samples the stream rule gives it, and together the ranks of each
+    size get every sample from the saved position on exactly once."""
+    ref = make_dataset(corpus_dir)
+    index = {ref.sample(g).tobytes(): g for g in range(48)}
+    assert len(index) == 48, "two samples alike: rows would not name their g"
+
+    def read(dp_rank: int, dp_size: int, steps: int, state: Any = None) -> tuple[Any, list[int]]:
+        with single_loader(
+            make_dataset(corpus_dir), new_job(), dp_rank=dp_rank, dp_size=dp_size, micro_batch=2
+        ) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            first = loader.step
+            rows = []
+            for t in range(first, first + steps):
+                batch = next(loader).numpy()
+                np.testing.assert_array_equal(batch, expected_batch(ref, t, dp_rank, dp_size, 2))
+                rows += [index[row.tobytes()] for row in batch]
+            return loader.state_dict(), rows
+
+    saved = [read(r, 2, 4) for r in range(2)]  # global batch 4: samples [0, 16)
+    state = saved[0][0]
+    assert saved[1][0] == state  # nothing per rank: one copy serves every rank
+    assert state["next_index"] == 16 and state["dp_size"] == 2
+    assert sorted(saved[0][1] + saved[1][1]) == list(range(16))
+    for dp_size, steps in ((1, 8), (4, 2)):  # global batch 2 and 8: samples [16, 32)
+        got = [read(r, dp_size, steps, state)[1] for r in range(dp_size)]
+        assert sorted(g for rows in got for g in rows) == list(range(16, 32)), dp_size
+
+
 @pytest.mark.parametrize(
     ("threads", "shuffle"),
     [

@@ -46,19 +46,30 @@ class _Plan:
 
 
 def _plan_load(
-    manifest: dict[str, Any], state: dict[str, Any], layout: Layout, broadcast: bool
+    manifest: dict[str, Any],
+    state: dict[str, Any],
+    layout: Layout,
+    broadcast: bool,
+    keep_per_rank: bool,
 ) -> _Plan:
     """Phase 1 on this rank; raises CheckpointError (not yet agreed with the others)."""
     world = manifest["world"]
     parts = manifest["parts"]
     part = parts[layout.part] if len(parts) == layout.parts else None
     per_rank_keys = sorted(part["per_rank"]) if part else []
-    err = _plan.layout_error(world, layout, per_rank_keys)
+    err = _plan.layout_error(world, layout, [] if keep_per_rank else per_rank_keys)
     if err is not None or part is None:
         raise CheckpointError(err or "layout mismatch")
+    # Under another DP size, DP rank i of this job is not DP rank i of the saving job:
+    # its per-rank values stay out (the caller asked to keep its live ones).
+    resized = world["dp_size"] != layout.dp_size
     records = [r for r in manifest["records"] if r["part"] == layout.part]
     replicated = [r for r in records if "dp_rank" not in r]
-    own = [r for r in records if "shard" not in r and r.get("dp_rank") == layout.dp_rank]
+    own = [
+        r
+        for r in records
+        if not resized and "shard" not in r and r.get("dp_rank") == layout.dp_rank
+    ]
     shards: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         if "shard" in r:
@@ -99,7 +110,8 @@ def _plan_load(
             if r["kind"] == "tensor"
             else None
         )
-    subtrees = {k: v[layout.dp_rank] for k, v in part["per_rank"].items()}
+    # An absent per-rank subtree leaves the live value as it is (_tree.restore).
+    subtrees = {} if resized else {k: v[layout.dp_rank] for k, v in part["per_rank"].items()}
     placements = {k: t for k, (t, _) in targets.items() if t is not None}
     _tree.check(state, part["tree"], _tree.Values(placeholders, subtrees, placements))
     sizes = [(r["key"], r["raw_length"], r["kind"] == "tensor") for r in replicated]
@@ -190,12 +202,13 @@ def load_step(
     layout: Layout,
     *,
     broadcast: bool,
+    keep_per_rank: bool = False,
 ) -> None:
     """Collective over the layout's group. Raises CheckpointError (the layout or the live
     state cannot take this checkpoint) or CheckpointCorruptError, on every rank alike."""
     plan: _Plan | None = None
     try:
-        plan = _plan_load(manifest, state, layout, broadcast)
+        plan = _plan_load(manifest, state, layout, broadcast, keep_per_rank)
         error = None
     except CheckpointError as e:
         error = (False, str(e))

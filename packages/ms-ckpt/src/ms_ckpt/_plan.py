@@ -157,6 +157,6 @@ def layout_error(saved: dict[str, Any], layout: Layout, per_rank: list[str]) -> 
             f"the data-parallel size changed from {saved['dp_size']} to {layout.dp_size} "
             f"and {', '.join(repr(k) for k in per_rank)} is per-rank (one value per "
             "data-parallel rank), which cannot be resharded; load with the same "
-            "data-parallel size, or leave those keys out of the state"
+            "data-parallel size, or with per_rank='keep' to keep the live per-rank values"
         )
     return None

@@ -135,7 +135,8 @@ def _flatten(x: Any, path: str, flat: Flat, scope: Scope) -> dict[str, Any]:
 @dataclass
 class Values:
     """What a skeleton's keys stand for on this rank: ``values[key]`` is a tensor or an
-    unpickled value; ``per_rank[key]`` this rank's subtree of an ``{"r": key}`` node;
+    unpickled value; ``per_rank[key]`` this rank's subtree of an ``{"r": key}`` node
+    (absent: the per-rank value is not loaded, and the live one stays);
     ``placements[key]`` the live ``Sharded`` an ``{"h": key}`` record is restored into
     (absent: the whole tensor)."""
 
@@ -155,7 +156,8 @@ def materialize(node: dict[str, Any], v: Values) -> Any:
             return v.values[key]
         return Sharded(v.values[key], live.global_shape, live.offset, live.dim)
     if "r" in node:
-        return materialize(v.per_rank[node["r"]], v)
+        sub = v.per_rank.get(node["r"])
+        return None if sub is None else materialize(sub, v)
     if "v" in node:
         return node["v"]
     if "s" in node:
@@ -223,7 +225,8 @@ def check(live: Any, node: dict[str, Any], v: Values, path: str = "") -> None:
     if isinstance(live, PerRank):
         live = live.value
     if "r" in node:
-        check(live, v.per_rank[node["r"]], v, path)
+        if node["r"] in v.per_rank:
+            check(live, v.per_rank[node["r"]], v, path)
     elif "s" in node and isinstance(live, dict):  # a saved Stateful into a plain dict
         check(live, node["s"], v, path)
     elif "s" in node:
@@ -251,7 +254,8 @@ def restore(live: Any, node: dict[str, Any], v: Values) -> Any:
         live.value = restore(live.value, node, v)
         return live
     if "r" in node:
-        return restore(live, v.per_rank[node["r"]], v)
+        sub = v.per_rank.get(node["r"])
+        return live if sub is None else restore(live, sub, v)
     if "s" in node:
         if not _is_stateful(live):
             return restore(live, node["s"], v)
@@ -263,6 +267,9 @@ def restore(live: Any, node: dict[str, Any], v: Values) -> Any:
         return live
     if "d" in node and isinstance(live, dict):
         for k, c in node["d"]:
-            live[k] = restore(live[k], c, v) if k in live else materialize(c, v)
+            if k in live:
+                live[k] = restore(live[k], c, v)
+            elif "r" not in c or c["r"] in v.per_rank:  # no per-rank value left out
+                live[k] = materialize(c, v)
         return live
     return materialize(node, v)

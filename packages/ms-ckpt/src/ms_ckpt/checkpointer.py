@@ -418,6 +418,7 @@ class Checkpointer:
         *,
         fallback: bool = False,
         broadcast: bool = True,
+        per_rank: Literal["refuse", "keep"] = "refuse",
     ) -> int:
         """Restore ``state`` in place from the newest committed checkpoint (or ``step``).
 
@@ -431,9 +432,18 @@ class Checkpointer:
         the group (``broadcast=False``: every rank reads everything it needs itself).
         A different data-parallel size reshards ``Sharded`` state; a layout that cannot
         take the checkpoint raises ``CheckpointError`` naming what changed.
+
+        Per-rank values (``per_rank``, ``rng_state()``) have no counterpart on the ranks
+        of a different data-parallel size. ``per_rank="refuse"`` raises
+        ``CheckpointError`` naming them; ``per_rank="keep"`` loads everything else and
+        leaves every live per-rank value as it is (a Stateful's ``load_state_dict`` is not
+        called), for the caller to derive each new rank's own, e.g. to seed its RNG. With
+        the same data-parallel size both load the per-rank values.
         """
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        if per_rank not in ("refuse", "keep"):
+            raise ValueError(f"per_rank must be 'refuse' or 'keep', got {per_rank!r}")
         lay = self._layout
         found: tuple[list[int], str | None] = ([], None)
         if lay.coordinator:
@@ -453,7 +463,15 @@ class Checkpointer:
             manifest, error = _plan.broadcast_object(got, lay)
             if manifest is not None:
                 try:
-                    _load.load_step(self._fs, self._root, manifest, state, lay, broadcast=broadcast)
+                    _load.load_step(
+                        self._fs,
+                        self._root,
+                        manifest,
+                        state,
+                        lay,
+                        broadcast=broadcast,
+                        keep_per_rank=per_rank == "keep",
+                    )
                     return int(s)
                 except CheckpointCorruptError as e:
                     error = str(e)

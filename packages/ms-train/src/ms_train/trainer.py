@@ -23,6 +23,10 @@ the mean over its global batch, so one process and ``dp`` ranks train the same m
 ``checkpoint.dir`` is loaded (a damaged one falls back to the previous, with a warning)
 and training continues to ``train.steps``; on CPU the continued run is bit-identical to
 an uninterrupted one. ``metrics.jsonl`` keeps the lines up to the checkpoint's step.
+The data-parallel size may differ from the saving job's: the model, optimizer and step
+are replicated, the loader resumes at global sample ``step * GB`` whatever the split,
+and each rank's RNG is the saved one at the same size, else seeded from ``train.seed``,
+its rank and the step (``ms_train._rng``).
 """
 
 from __future__ import annotations
@@ -42,10 +46,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ms_ckpt import Checkpointer, rng_state
+from ms_ckpt import Checkpointer
 from ms_data import Corpus, NodeLoader, PackedDataset, get_tokenizer
 from ms_optim import Lamb, lamb_param_groups
 from ms_train import report
+from ms_train._rng import RankRNG, seed_rank
 from ms_train.config import Config, ConfigError, OptimConfig
 from ms_train.demo import demo_corpus
 from ms_train.engine import DataParallelEngine, make_engine
@@ -150,9 +155,10 @@ class Trainer:
             ``data.shards``: an iterator of int64 tensors of shape ``(data.micro_batch,
             model.seq_len + 1)``, step ``t`` of rank ``r`` holding the samples the global
             stream gives it (see the module docstring). With ``state_dict`` /
-            ``load_state_dict`` it is checkpointed and resumed; ``data_wait_s`` and
-            ``wall_s`` counters, when it has them, feed the data-wait metric; ``close()``
-            is called by :meth:`close`.
+            ``load_state_dict`` it is checkpointed (one copy for all ranks) and resumed,
+            at another data-parallel size too, where the same step must mean the same
+            global samples; ``data_wait_s`` and ``wall_s`` counters, when it has them,
+            feed the data-wait metric; ``close()`` is called by :meth:`close`.
     """
 
     def __init__(
@@ -194,7 +200,7 @@ class Trainer:
         self.stream = sys.stdout if stream is None else stream
         self.out_dir = Path(config.train.out_dir)
         self.checkpoint_dir = config.checkpoint.dir or str(self.out_dir / "ckpt")
-        torch.manual_seed(config.train.seed + self.rank)  # dropout; weights seed by name
+        seed_rank(config.train.seed, self.rank, 0)  # dropout; weights seed by name
 
         self.tokenizer = get_tokenizer(config.data.tokenizer)
         m = config.model
@@ -221,6 +227,7 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(m).total
         self._peak_flops = peak_flops
         self.step = 0
+        self._rng_seeded = False  # a resume at another DP size seeded this rank's RNG
 
     # ------------------------------------------------------------------ helpers
 
@@ -280,7 +287,7 @@ class Trainer:
         state = {
             "model": self.model,
             "optim": self.optimizer,
-            "rng": rng_state(),
+            "rng": RankRNG(),
             "step": self.step,
         }
         if callable(getattr(self.loader, "state_dict", None)):
@@ -313,7 +320,12 @@ class Trainer:
         if not has:
             return 0
         state = self._state()
-        self.step = self.checkpointer.load(state, fallback=True)
+        # Saved at another data-parallel size, the per-rank RNG states have no owner
+        # here: the rest loads, and the rule of ms_train._rng seeds this rank's.
+        self.step = self.checkpointer.load(state, fallback=True, per_rank="keep")
+        if not state["rng"].restored:
+            seed_rank(self.config.train.seed, self.rank, self.step)
+            self._rng_seeded = True
         return self.step
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -472,6 +484,11 @@ class Trainer:
                 f"  checkpoint: resumed from step {start} under {self.checkpoint_dir}; "
                 f"training steps {start + 1}..{c.train.steps}"
             )
+            if self._rng_seeded:
+                lines.append(
+                    "  rng: the checkpoint was saved at another data-parallel size; each "
+                    "rank's RNG is seeded from train.seed, its rank and the step"
+                )
         else:
             lines.append(
                 f"  checkpoint: none found; starting fresh, saving to {self.checkpoint_dir}"
