@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from ms_train import flops
 from ms_train.config import PRESETS, ConfigError, load_config
+from ms_train.errors import JobError
 
 __all__ = ["main"]
 
@@ -164,7 +165,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         with Trainer(config, peak_flops=peak) as trainer:
             trainer.train()
-    except ConfigError as e:
+    except JobError as e:
         print(f"ms-train: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
