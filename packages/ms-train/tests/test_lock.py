@@ -21,7 +21,7 @@ from ms_data import build_shards
 from ms_data.build import BuildConfig
 from ms_testing.dist import run_ranks
 from ms_train._lock import LOCK_NAME, RunLockedError, lock_run
-from ms_train.config import load_config
+from ms_train.config import ConfigError, load_config
 from ms_train.errors import JobError
 from ms_train.report import read_metrics
 from ms_train.trainer import Trainer
@@ -143,6 +143,20 @@ def test_an_unwritable_out_dir_is_a_job_error_naming_it(tmp_path: Path) -> None:
     blocker.write_text("")
     with pytest.raises(JobError, match=f"train.out_dir: cannot create the run lock {blocker}"):
         lock_run([("train.out_dir", str(blocker / "run"))], log=print)
+
+
+def test_a_trainer_that_fails_to_start_lets_its_lock_go(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = load_config(None, overrides=[f"train.out_dir={out}", "model.vocab_size=100"])
+    try:  # refused after it took the lock: the tokenizer has 257 tokens
+        Trainer(config, peak_flops=1e9, stream=io.StringIO())
+    except ConfigError as e:
+        kept = e  # the half-built trainer lives on in its traceback
+    logs: list[str] = []
+    lock_run(
+        [("train.out_dir", str(out)), ("checkpoint.dir", str(out / "ckpt"))], log=logs.append
+    ).release()
+    assert "model.vocab_size (100)" in str(kept) and logs == []
 
 
 @pytest.mark.slow

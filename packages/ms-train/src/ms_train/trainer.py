@@ -155,6 +155,7 @@ class Trainer:
             is called by :meth:`close`.
     """
 
+    @_lock.releases_lock_on_failure
     def __init__(
         self,
         config: Config,
