@@ -41,6 +41,21 @@ class PauseAt:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
+class FailAt:
+    """Fail stage 2 at ``point`` (on ``steps`` only, if given) with ``OSError(err)``, as a
+    full disk there would."""
+
+    def __init__(
+        self, point: str, steps: Collection[int] | None = None, err: int = errno.ENOSPC
+    ) -> None:
+        self.point, self.err = point, err
+        self.steps = None if steps is None else frozenset(steps)
+
+    def __call__(self, point: str, step: int) -> None:
+        if point == self.point and (self.steps is None or step in self.steps):
+            raise OSError(self.err, os.strerror(self.err), f"injected at {point!r}")
+
+
 class RecordModules:
     """At the start of stage 2, write this process's pid and the torch modules it has
     imported to the JSON file ``path``."""

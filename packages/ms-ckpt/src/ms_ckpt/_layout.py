@@ -8,6 +8,7 @@ memory://) a single put is atomic, and it is issued only after every shard is wr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import uuid
@@ -27,6 +28,12 @@ def step_dir(step: int) -> str:
 
 def shard_name(rank: int) -> str:
     return f"rank-{rank:05d}.bin"
+
+
+def resave_shard_name(rank: int, nonce: str, seq: int) -> str:
+    """A shard of a step saved again after it was committed: a name of its own, so the
+    committed checkpoint's shards stay intact until the new manifest replaces the old."""
+    return f"rank-{rank:05d}.{nonce[:12]}-{seq}.bin"
 
 
 def fragment_name(rank: int) -> str:
@@ -92,7 +99,13 @@ def commit_file(
         f.flush()
         os.fsync(f.fileno())
     if before_commit is not None:
-        before_commit()
+        try:
+            before_commit()
+        except BaseException:
+            # Abandoned: in a committed step (a failed re-save) nothing else removes it.
+            with contextlib.suppress(OSError):
+                os.remove(fs._strip_protocol(tmp))
+            raise
     fs.mv(tmp, path)
     _fsync_dir(os.path.dirname(fs._strip_protocol(path)))
 

@@ -108,10 +108,10 @@ def run_job(
     except Exception as e:
         if job["world"]["world_size"] == 1:
             remove_partial(fs, root, job["step"])
+            _remove_own_shard(fs, L.join(root, L.step_dir(job["step"])), job)
         else:
             directory = L.join(root, L.step_dir(job["step"]))
-            with contextlib.suppress(Exception):
-                fs.rm(L.join(directory, L.shard_name(job["rank"])))
+            _remove_own_shard(fs, directory, job)
             write_error_fragment(fs, root, job, describe(e).split("\n", 1)[0])
             if job["coordinator"] and not isinstance(e, CommitTimeout):
                 # Remove the partial step once no rank writes into it any more; while
@@ -121,7 +121,21 @@ def run_job(
                 )
                 if len(done) == job["world"]["world_size"] - 1:
                     remove_partial(fs, root, job["step"])
+                    _remove_fragments(fs, directory)  # of a failed re-save
         raise
+
+
+def _remove_own_shard(fs: Any, directory: str, job: dict[str, Any]) -> None:
+    """Best effort after a failed attempt: this rank's shard of it, never a shard that a
+    committed manifest names (a failed re-save leaves the committed step as it was)."""
+    names = [L.resave_shard_name(job["rank"], job["nonce"], job["seq"])]
+    with contextlib.suppress(Exception):
+        if not fs.exists(L.join(directory, L.MANIFEST)):
+            names.append(L.shard_name(job["rank"]))
+    for name in names:
+        with contextlib.suppress(Exception):
+            if fs.exists(L.join(directory, name)):
+                fs.rm(L.join(directory, name))
 
 
 def write_error_fragment(fs: Any, root: str, job: dict[str, Any], message: str) -> None:
@@ -156,10 +170,17 @@ def write_step(
 
     at("stage2")
     directory = L.join(root, L.step_dir(step))
-    if fs.exists(L.join(directory, L.MANIFEST)):
-        raise FileExistsError(f"step {step} is already committed at {directory}")
+    # Saving a committed step again replaces it (a run resumed from an older step, or
+    # from the fallback past a damaged one, saves the state it trained): the new shards
+    # take names of their own, the manifest's rename swaps old for new, so the step is
+    # always one whole checkpoint or the other.
+    resave = fs.exists(L.join(directory, L.MANIFEST))
     fs.makedirs(directory, exist_ok=True)
-    shard, frag = L.shard_name(job["rank"]), L.fragment_name(job["rank"])
+    if resave:
+        shard = L.resave_shard_name(job["rank"], job["nonce"], job["seq"])
+    else:
+        shard = L.shard_name(job["rank"])
+    frag = L.fragment_name(job["rank"])
     for name in (frag, shard):  # left by an earlier attempt at this step: start over
         if fs.exists(L.join(directory, name)):
             fs.rm(L.join(directory, name))
@@ -231,9 +252,31 @@ def write_step(
         if r != job["rank"] or job["world"]["world_size"] > 1:
             with contextlib.suppress(Exception):
                 fs.rm(L.join(directory, L.fragment_name(r)))
+    _remove_replaced_shards(fs, directory, {str(f["file"]) for f in fragments.values()})
     _move_latest(fs, root, step)
     if job["keep_last"] is not None:
         apply_retention(fs, root, job["keep_last"])
+
+
+def _remove_fragments(fs: Any, directory: str) -> None:
+    """Best effort: the ranks' fragments in a step directory that outlives a failed save."""
+    with contextlib.suppress(Exception):
+        for path in fs.ls(directory, detail=False):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith("rank-") and name.endswith(".json"):
+                with contextlib.suppress(Exception):
+                    fs.rm(path)
+
+
+def _remove_replaced_shards(fs: Any, directory: str, current: set[str]) -> None:
+    """After a commit, the shards no manifest names any more (those of the checkpoint a
+    re-save replaced, or of a crashed attempt); best effort, retention removes the rest."""
+    with contextlib.suppress(Exception):
+        for path in fs.ls(directory, detail=False):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith("rank-") and name.endswith(".bin") and name not in current:
+                with contextlib.suppress(Exception):
+                    fs.rm(path)
 
 
 def _await_fragments(

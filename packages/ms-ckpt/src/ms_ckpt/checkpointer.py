@@ -206,6 +206,7 @@ class Checkpointer:
         self._inflight: SaveHandle | None = None
         self._inflight_job: dict[str, Any] = {}
         self._last: SaveHandle | None = None
+        self._last_step: int | None = None
         self._closed = False
         ref = weakref.ref(self)
         self._atexit: Callable[[], None] = lambda: _finalize_ref(ref)
@@ -229,6 +230,14 @@ class Checkpointer:
             busy = inflight is not None and not inflight.done()
             if _plan.any_rank(busy, lay):  # collective: every rank skips, or none
                 return SaveHandle(step, None, skipped=True)
+        if lay.distributed and step == self._last_step:
+            # The other ranks' writers are done with a step before rank 0 commits it (and
+            # removes their fragments): saving the same step again must wait for that
+            # commit on every rank, or their new parts would race the old commit.
+            if inflight is not None:
+                self._poll(inflight, timeout=None)
+            _plan.any_rank(False, lay)
+        self._last_step = step
         # Numbered before anything that can fail on one rank only, so that the ranks'
         # numbers (which match their parts at the commit) never drift apart.
         self._seq += 1

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from ms_train import _cli_config, flops
 from ms_train.config import PRESETS, ConfigError, load_config
+from ms_train.errors import JobError
 
 __all__ = ["main"]
 
@@ -177,7 +178,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         with Trainer(config, peak_flops=peak) as trainer:
             trainer.train()
-    except ConfigError as e:
+    except JobError as e:
         print(f"ms-train: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

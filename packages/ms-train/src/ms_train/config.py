@@ -289,12 +289,18 @@ class CheckpointConfig:
         every: save every this many steps, and at the end (0: only at the end).
         keep_last: committed checkpoints kept.
         resume: start from the newest committed checkpoint when there is one.
+        max_failures: failed saves in a row that end the run. A failed save (a full
+            disk, a dead writer) is logged and counted and training goes on, since the
+            committed checkpoints are untouched; a save that commits resets the count.
+            A failed final save is tried again until this many in a row have failed.
+            1: the first failure ends the run.
     """
 
     dir: str = attrs.field(default="", validator=_str("checkpoint"))
     every: int = attrs.field(default=50, validator=_nonneg_int("checkpoint"))
     keep_last: int = attrs.field(default=2, validator=_positive_int("checkpoint"))
     resume: bool = attrs.field(default=True, validator=_bool("checkpoint"))
+    max_failures: int = attrs.field(default=3, validator=_positive_int("checkpoint"))
 
 
 _SECTIONS: dict[str, type[Any]] = {

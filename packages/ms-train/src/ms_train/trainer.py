@@ -49,7 +49,7 @@ from torch import nn
 from ms_ckpt import Checkpointer
 from ms_data import Corpus, NodeLoader, PackedDataset, get_tokenizer
 from ms_optim import Lamb, lamb_param_groups
-from ms_train import report
+from ms_train import _lock, _saves, report
 from ms_train._rng import RankRNG, seed_rank
 from ms_train.config import Config, ConfigError, OptimConfig
 from ms_train.demo import demo_corpus
@@ -161,6 +161,7 @@ class Trainer:
             feed the data-wait metric; ``close()`` is called by :meth:`close`.
     """
 
+    @_lock.releases_lock_on_failure
     def __init__(
         self,
         config: Config,
@@ -200,6 +201,14 @@ class Trainer:
         self.stream = sys.stdout if stream is None else stream
         self.out_dir = Path(config.train.out_dir)
         self.checkpoint_dir = config.checkpoint.dir or str(self.out_dir / "ckpt")
+        # One run per directory: rank 0 locks both before anything of the run writes;
+        # a refused run fails on every rank. Released by close().
+        self._run_lock = _lock.lock_job(
+            [("train.out_dir", str(self.out_dir)), ("checkpoint.dir", self.checkpoint_dir)],
+            rank=self.rank,
+            agree=self._agree,
+            log=self._say,
+        )
         seed_rank(config.train.seed, self.rank, 0)  # dropout; weights seed by name
 
         self.tokenizer = get_tokenizer(config.data.tokenizer)
@@ -382,7 +391,10 @@ class Trainer:
 
         losses: list[tuple[int, float]] = []
         window_loss = torch.zeros((), device=self.device)
-        handle = None
+        group = dist.group.WORLD if self.world_size > 1 else None
+        self.saves = _saves.Saves(
+            self.checkpointer, max_failures=c.checkpoint.max_failures, log=self._say, group=group
+        )
         t_first = t_window = time.perf_counter()
         window_steps = 0
         wait0 = self._waits()
@@ -419,15 +431,14 @@ class Trainer:
                 wait0 = self._waits()
             if (c.checkpoint.every and done % c.checkpoint.every == 0) or done == total_steps:
                 self.step = done
-                handle = self.checkpointer.save(done, self._state())
+                self.saves.save(done, self._state())
             if self.rank == 0:
                 elapsed = time.perf_counter() - t_first
                 per_step = elapsed / (done - start - 1) if done > start + 1 else math.nan
                 progress.update(done, per_step * (total_steps - done), record)
         t_end = time.perf_counter()  # the final checkpoint's write is not training time
         progress.close()
-        if handle is not None:
-            handle.wait()
+        self.saves.finish(self._state)
         if metrics is not None:
             metrics.close()
 
@@ -589,6 +600,7 @@ class Trainer:
             close = getattr(self.loader, "close", None)
             if callable(close):
                 close()
+            self._run_lock.release()
             if self._owns_group and dist.is_initialized():
                 dist.destroy_process_group()
 
