@@ -288,12 +288,20 @@ class CheckpointConfig:
         every: save every this many steps, and at the end (0: only at the end).
         keep_last: committed checkpoints kept.
         resume: start from the newest committed checkpoint when there is one.
+        grace_s: after SIGTERM or a first Ctrl-C, the seconds the run has to finish its
+            step and commit a checkpoint of it (a scheduler's notice before it preempts
+            the job is often 30-60 s); a save still running then is abandoned and the
+            newest committed step is reported. The launcher kills ranks that are not
+            gone 15 s after it.
     """
 
     dir: str = attrs.field(default="", validator=_str("checkpoint"))
     every: int = attrs.field(default=50, validator=_nonneg_int("checkpoint"))
     keep_last: int = attrs.field(default=2, validator=_positive_int("checkpoint"))
     resume: bool = attrs.field(default=True, validator=_bool("checkpoint"))
+    grace_s: float = attrs.field(
+        default=60.0, validator=_float("checkpoint", low=0.0, low_open=True)
+    )
 
 
 _SECTIONS: dict[str, type[Any]] = {

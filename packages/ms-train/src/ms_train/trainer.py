@@ -45,7 +45,7 @@ from torch import nn
 from ms_ckpt import Checkpointer, rng_state
 from ms_data import Corpus, NodeLoader, PackedDataset, get_tokenizer
 from ms_optim import Lamb, lamb_param_groups
-from ms_train import report
+from ms_train import _stop, report
 from ms_train.config import Config, ConfigError, OptimConfig
 from ms_train.demo import demo_corpus
 from ms_train.engine import DataParallelEngine, make_engine
@@ -221,6 +221,7 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(m).total
         self._peak_flops = peak_flops
         self.step = 0
+        self._stop: _stop.StopRequest | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -351,8 +352,16 @@ class Trainer:
         return float(value.item())
 
     def train(self) -> RunSummary:
-        """Resume if there is a checkpoint, train to ``train.steps``, checkpoint, report."""
+        """Resume if there is a checkpoint, train to ``train.steps``, checkpoint, report.
+
+        SIGINT and SIGTERM (from the main thread) finish the step, commit a checkpoint
+        of it within ``checkpoint.grace_s`` and raise ``Stopped``; a second one ends
+        the process at once (``ms_train._stop``).
+        """
         c = self.config
+        self._stop = stop = _stop.StopRequest(
+            c.checkpoint.grace_s, lambda first: _stop.stop_at_once(self, first), self.world_size
+        ).install()
         start = self.resume()
         total_steps = c.train.steps
         tokens_per_step = c.data.global_batch * c.model.seq_len
@@ -412,6 +421,12 @@ class Trainer:
                 elapsed = time.perf_counter() - t_first
                 per_step = elapsed / (done - start - 1) if done > start + 1 else math.nan
                 progress.update(done, per_step * (total_steps - done), record)
+            if stop.agreed():
+                progress.close()
+                if metrics is not None:
+                    metrics.close()
+                raise _stop.finish(self, stop, done, handle)
+        stop.restore()
         t_end = time.perf_counter()  # the final checkpoint's write is not training time
         progress.close()
         if handle is not None:
@@ -566,6 +581,8 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
+        if self._stop is not None:
+            self._stop.restore()
         try:
             self.checkpointer.finalize()
         finally:
