@@ -190,13 +190,14 @@ def _supervise(agent: _Agent, signals: list[int], grace: float) -> set[int]:
             bound = grace + _TEARDOWN_S if handled == 1 else _AT_ONCE_S
             kill_at = min(kill_at or float("inf"), time.monotonic() + bound)
         if handled:
-            # Ranks that started after the signal get it too; a rank gets the second
-            # signal only after the first, since its handler counts them.
+            # Ranks that started after the signal get it too. One signal per rank per
+            # round: two sent at once may arrive as one, and a rank counts them.
             for pid in now:
-                for sig in signals[told.get(pid, 0) : 2]:
+                sent = told.get(pid, 0)
+                if sent < min(len(signals), 2):
                     with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, sig)
-                told[pid] = min(len(signals), 2)
+                        os.kill(pid, signals[sent])
+                    told[pid] = sent + 1
         if kill_at is not None and time.monotonic() > kill_at:
             for pid in now:
                 with contextlib.suppress(ProcessLookupError):
