@@ -46,7 +46,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _write_config(path: Path, corpus: Path, out: Path, every: int) -> Path:
+def _write_config(path: Path, corpus: Path, out: Path, every: int, steps: int = STEPS) -> Path:
     path.write_text(
         f"""
 [model]
@@ -66,7 +66,7 @@ global_batch = 16
 warmup_steps = 3
 
 [train]
-steps = {STEPS}
+steps = {steps}
 out_dir = "{out}"
 log_every = 1
 sample_tokens = 0
@@ -218,8 +218,10 @@ def reference(
 def test_sigkill_of_the_launcher_leaves_nothing(corpus: Path, tmp_path: Path, target: str) -> None:
     """SIGKILL of the launcher's process group (``kill -9 -PGID``), or of the launcher
     alone: no rank, reader or writer lives on, no segment of the run stays in /dev/shm."""
-    config = _write_config(tmp_path / "c.toml", corpus, tmp_path / "out", every=2)
+    # Steps enough that orphans would still train when the test gives up on them.
+    config = _write_config(tmp_path / "c.toml", corpus, tmp_path / "out", every=2, steps=10**6)
     job = _start(*_cli(config))
+    tree: dict[int, str] = {}
     try:
         _wait_for("a committed checkpoint", lambda: _committed(tmp_path / "out"), job)
         tree, segments = _snapshot(job)
@@ -230,7 +232,7 @@ def test_sigkill_of_the_launcher_leaves_nothing(corpus: Path, tmp_path: Path, ta
         job.communicate(timeout=60)
         _assert_nothing_left(tree, segments)
     finally:
-        for p in _descendants(job.pid) if job.poll() is None else {}:
+        for p in [*_descendants(job.pid), *tree]:  # what a failed test would leave
             with suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
         with suppress(ProcessLookupError):
