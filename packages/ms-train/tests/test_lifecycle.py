@@ -348,3 +348,29 @@ def test_a_job_error_on_the_ranks_is_printed_once(corpus: Path, tmp_path: Path) 
         r"tokenizer's vocabulary \(257, data\.tokenizer = 'bytes'\)\n",
         done.stderr,
     ), done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_one_process_stops_on_ctrl_c(corpus: Path, tmp_path: Path) -> None:
+    """``ms-train`` without ``--nproc``: Ctrl-C reaches the trainer, its data reader and
+    its checkpoint writer (one process group); one account, exit 130, no traceback."""
+    out = tmp_path / "out"
+    config = _write_config(tmp_path / "c.toml", corpus, out, every=5)
+    job = _start("-m", "ms_train.cli", "--config", str(config))
+    try:
+        _wait_for("step 8", lambda: _reached(out) >= 8, job)
+        tree = _descendants(job.pid)
+        assert any("ms_ckpt._worker" in cmd for cmd in tree.values()), tree
+        os.killpg(job.pid, signal.SIGINT)
+        output, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(timeout=60)
+    assert job.returncode == 130, output
+    accounts = ACCOUNT.findall(output)
+    assert len(accounts) == 1 and output.count("ms-train: stopped") == 1, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    assert max(_committed(out)) == int(accounts[0][0]) == _reached(out)
+    _assert_nothing_left(tree, set())
