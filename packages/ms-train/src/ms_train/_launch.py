@@ -135,8 +135,12 @@ def launch(nproc: int, argv: list[str], config: Config, *, module: str = "ms_tra
 
     grace = config.checkpoint.grace_s
     folder = Path(tempfile.mkdtemp(prefix="ms-train-launch-"))
-    # One share of the cores per rank (torch's agent would otherwise force 1, with a warning).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # The ranks inherit this process's environment, set here for the launch only.
+    ours = [_REPORT_DIR, _LAUNCHER_PID]
+    if "OMP_NUM_THREADS" not in os.environ:
+        # One share of the cores per rank (the agent would otherwise force 1, with a warning).
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        ours.append("OMP_NUM_THREADS")
     os.environ[_REPORT_DIR], os.environ[_LAUNCHER_PID] = str(folder), str(os.getpid())
     # The agent, on a thread, cannot take the signals and says so; it reports failures
     # as logged tracebacks. The launcher does both itself.
@@ -168,7 +172,7 @@ def launch(nproc: int, argv: list[str], config: Config, *, module: str = "ms_tra
     finally:
         for s, prev in previous.items():
             signal.signal(s, prev)
-        for name in (_REPORT_DIR, _LAUNCHER_PID):
+        for name in ours:
             os.environ.pop(name, None)
         shutil.rmtree(folder, ignore_errors=True)
 
