@@ -354,9 +354,9 @@ class Trainer:
     def train(self) -> RunSummary:
         """Resume if there is a checkpoint, train to ``train.steps``, checkpoint, report.
 
-        SIGINT and SIGTERM (from the main thread) finish the step, commit a checkpoint
-        of it within ``checkpoint.grace_s`` and raise ``Stopped``; a second one ends
-        the process at once (``ms_train._stop``).
+        When it runs in the main thread, SIGINT and SIGTERM finish the step, commit a
+        checkpoint of it within ``checkpoint.grace_s`` and raise ``Stopped``; a second
+        one ends the process at once (``ms_train._stop``).
         """
         c = self.config
         self._stop = stop = _stop.StopRequest(
