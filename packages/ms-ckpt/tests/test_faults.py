@@ -92,6 +92,45 @@ def test_sigkill_writer_mid_shard(tmp_path: Path) -> None:
     assert_loads_step(tmp_path, 3)
 
 
+def test_the_writer_ignores_sigint_and_sigterm(tmp_path: Path) -> None:
+    """Ctrl-C reaches the terminal's whole process group and torchrun signals a rank's
+    whole group; the writer finishes the save its trainer asked for."""
+    state = big_state()
+    with Checkpointer(str(tmp_path), hook=PauseAt("record", 1.0, steps=[1])) as ckpt:
+        handle = ckpt.save(1, state)
+        wait_for(lambda: (tmp_path / "step-00000001").exists(), "stage 2 to start")
+        pid = ckpt.writer_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
+        handle.wait(timeout=DEADLINE)
+        assert ckpt.writer_pid == pid and not pid_gone(pid)
+    assert ckpt.steps() == {1: True}
+    assert_loads_step(tmp_path, 1)
+
+
+def test_abort_kills_the_save_in_flight_and_frees_the_buffer(tmp_path: Path) -> None:
+    """A job told to stop at once: the held save never commits, the writer and the host
+    buffer are gone, the committed step and ``latest`` are untouched."""
+    state = big_state()
+    ckpt = Checkpointer(str(tmp_path), hook=PauseAt("manifest", DEADLINE, steps=[2]))
+    ckpt.save(1, state).wait(timeout=DEADLINE)
+    ckpt.save(2, state)
+    step2 = tmp_path / "step-00000002"
+    wait_for(lambda: any(step2.glob("manifest.json.tmp-*")), "the manifest's temporary")
+    pid, buffers = ckpt.writer_pid, segments_of(os.getpid())
+    assert pid is not None and buffers
+    ckpt.abort()
+    assert pid_gone(pid)
+    assert not buffers & segments_of(os.getpid())
+    assert ckpt.steps() == {1: True, 2: False} and latest(tmp_path) == "step-00000001"
+    ckpt.abort()  # done already: nothing to do, and finalize neither
+    ckpt.finalize()
+    with pytest.raises(CheckpointError, match="after finalize"):
+        ckpt.save(3, state)
+    assert_loads_step(tmp_path, 1)
+
+
 def run_hanging_trainer(
     root: Path, point: str, step: int = 2
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:

@@ -666,3 +666,22 @@ def test_a_full_ring_with_a_paced_rank_delivers_every_batch_in_order(corpus_dir:
     np.testing.assert_array_equal(
         np.stack(batches), np.stack([expected_batch(ref, t, 0, 1, 4) for t in range(13)])
     )
+
+
+@pytest.mark.slow
+def test_the_reader_ignores_sigint_and_sigterm(corpus_dir: Path) -> None:
+    """Ctrl-C reaches the terminal's whole process group and torchrun signals a rank's
+    whole group: the reader goes on serving its rank, whose signal handling decides
+    (a rank stopping gracefully still reads the rest of its step)."""
+    ds = make_dataset(corpus_dir)
+    with single_loader(ds, new_job()) as loader:
+        got = [next(loader).numpy()]  # the reader is running (past its start-up)
+        reader = loader.reader_pid
+        assert reader is not None
+        os.kill(reader, signal.SIGINT)
+        os.kill(reader, signal.SIGTERM)
+        got += [next(loader).numpy() for _ in range(5)]
+        assert process_alive(reader)
+    ref = make_dataset(corpus_dir)
+    for step, batch in enumerate(got):
+        np.testing.assert_array_equal(batch, expected_batch(ref, step, 0, 1, 4))

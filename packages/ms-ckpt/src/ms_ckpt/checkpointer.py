@@ -324,7 +324,13 @@ class Checkpointer:
         ours, theirs = socket.socketpair()
         # The writer imports what this process imports (ms_ckpt, a custom fs class).
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        # SIGINT and SIGTERM are ignored before anything else runs: Ctrl-C reaches the
+        # terminal's whole process group and torchrun signals a rank's whole group, but
+        # the writer's fate is its trainer's (a trainer stopping on a signal still
+        # commits its last save); the writer stops when the trainer is gone.
         code = (
+            "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "import sys; from ms_ckpt._worker import run; "
             "run(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
         )
@@ -534,6 +540,31 @@ class Checkpointer:
             self._raise_unobserved()
         finally:
             self._stop_writer()
+            self._pool.close()
+
+    def abort(self) -> None:
+        """Stop now, without waiting: kill the writer process (a save in flight stays
+        uncommitted, a partial step that retention removes later), free the host buffer.
+
+        For a job told to stop at once (a second Ctrl-C); safe from a signal handler. The
+        committed checkpoints and ``latest`` are untouched: a commit is one rename.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None
+        self._inflight = None
+        try:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(_JOIN_TIMEOUT)
+            if conn is not None:
+                conn.close()
+        finally:
             self._pool.close()
 
     def __enter__(self) -> Checkpointer:

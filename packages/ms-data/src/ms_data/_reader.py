@@ -13,8 +13,9 @@ local rank 0 asks it to stop, or until a process it serves is gone:
 
 A failure while reading or packing (a corrupt shard) is recorded in the header with
 the step it happened at, the message and the pickled exception; each rank raises it
-when it reaches that step. SIGINT is ignored: Ctrl-C reaches the whole process group,
-and the reader's fate is its parent's to decide.
+when it reaches that step. SIGINT and SIGTERM are ignored: Ctrl-C reaches the whole
+process group and torchrun signals a rank's whole group, while the reader's fate is
+its parent's to decide (a rank stopping gracefully still reads its last step).
 
 With ``threads > 1`` the steps are built by a pool of that many threads, up to
 ``depth`` steps at once: a step is submitted once its slot is free (the same
@@ -87,6 +88,7 @@ def main(stream: BinaryIO) -> None:
 
 def reader_main(args: ReaderArgs, dataset_pickle: bytes) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ring = ShmRing.try_attach(args.name, args.spec)
     if ring is None:
         # Local rank 0 closed (or died) before this process came up.

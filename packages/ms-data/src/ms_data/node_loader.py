@@ -95,7 +95,12 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 # and first step must not attach to the old loader's ring, which local rank 0 may not
 # have closed yet when this rank asks.
 _LEFT: set[int] = set()
+# SIGINT and SIGTERM are ignored before anything else runs (they reach the reader when
+# Ctrl-C hits the terminal's process group or torchrun signals a rank's group); the
+# reader's fate is its parent's to decide, and a traceback from it helps no one.
 _BOOTSTRAP = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
     "import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
     "from ms_data._reader import main; main(sys.stdin.buffer)"
 )
@@ -550,7 +555,7 @@ def _shutdown(ring: ShmRing, reader: subprocess.Popen[bytes], owner: int, fast: 
     ring.request_stop()
     if fast:
         if reader.poll() is None:
-            reader.terminate()
+            reader.kill()  # it ignores SIGTERM (see _BOOTSTRAP)
         ring.unlink()
         return
     try:

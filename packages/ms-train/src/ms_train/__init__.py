@@ -6,6 +6,7 @@ ms-kernels ops), ``ms_train.trainer`` (the loop over ms-data, ms-optim and ms-ck
 FLOPs and MFU) and the ``ms-train`` command (``ms_train.cli``).
 """
 
+from ms_train._stop import Stopped
 from ms_train._version import __version__
 from ms_train.config import PRESETS, Config, ConfigError, ModelConfig, load_config
 from ms_train.engine import DataParallelEngine, DDPEngine
@@ -23,6 +24,7 @@ __all__ = [
     "FlopsPerToken",
     "ModelConfig",
     "RunSummary",
+    "Stopped",
     "Trainer",
     "__version__",
     "build_optimizer",

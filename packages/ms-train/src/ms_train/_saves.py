@@ -62,6 +62,11 @@ class Saves:
         self.failed_in_a_row: list[int] = []
         self._pending: tuple[int, SaveHandle | None, str | None] | None = None
 
+    @property
+    def in_flight(self) -> SaveHandle | None:
+        """The newest save's handle while its outcome is not collected yet, else None."""
+        return None if self._pending is None else self._pending[1]
+
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Collect the previous save's outcome (raising after too many failures in a row),
         then start saving ``step`` (stage 1 now, stage 2 in the background)."""

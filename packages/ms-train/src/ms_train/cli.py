@@ -2,8 +2,9 @@
 
 ``ms-train [--config FILE | --preset NAME] [--nproc N] [--set k=v ...]`` trains (the
 ``tiny`` preset when neither is given). With ``--nproc N > 1`` outside torchrun it
-re-launches itself through ``torchrun --standalone --nproc-per-node N``; under torchrun
-(``WORLD_SIZE`` set) every worker trains its rank.
+launches N ranks through torch's elastic agent, as ``torchrun --standalone`` does, and
+owns them (``ms_train._launch``); under torchrun (``WORLD_SIZE`` set) every worker
+trains its rank.
 
 ``ms-train flops`` prints model FLOPs per token and the MFU of a throughput, for a
 preset, a config file or explicit dimensions (``ms_train.flops``; docs/flops.md).
@@ -16,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 
 from ms_train import _cli_config, flops
 from ms_train.config import PRESETS, ConfigError, load_config
-from ms_train.errors import JobError
 
 __all__ = ["main"]
 
@@ -155,35 +154,13 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"ms-train: error: {e}", file=sys.stderr)
         return 2
     if args.nproc > 1 and not under_torchrun:
-        env = dict(os.environ)
-        # One share of the cores per rank (torchrun would otherwise force 1, with a warning).
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={args.nproc}",
-            "-m",
-            "ms_train.cli",
-            *_without_nproc(argv),
-        ]
-        try:
-            return subprocess.call(cmd, env=env)
-        except KeyboardInterrupt:
-            return 130
-    from ms_train.trainer import Trainer
+        from ms_train._launch import launch
+
+        return launch(args.nproc, _without_nproc(argv), config)
+    from ms_train._launch import run_rank
 
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
-    try:
-        with Trainer(config, peak_flops=peak) as trainer:
-            trainer.train()
-    except JobError as e:
-        print(f"ms-train: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return run_rank(config, peak)
 
 
 if __name__ == "__main__":

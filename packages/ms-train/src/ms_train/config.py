@@ -294,6 +294,11 @@ class CheckpointConfig:
             committed checkpoints are untouched; a save that commits resets the count.
             A failed final save is tried again until this many in a row have failed.
             1: the first failure ends the run.
+        grace_s: after SIGTERM or a first Ctrl-C, the seconds the run has to finish its
+            step and commit a checkpoint of it (a scheduler's notice before it preempts
+            the job is often 30-60 s); a save still running then is abandoned and the
+            newest committed step is reported. The launcher kills ranks that are not
+            gone 15 s after it.
     """
 
     dir: str = attrs.field(default="", validator=_str("checkpoint"))
@@ -301,6 +306,9 @@ class CheckpointConfig:
     keep_last: int = attrs.field(default=2, validator=_positive_int("checkpoint"))
     resume: bool = attrs.field(default=True, validator=_bool("checkpoint"))
     max_failures: int = attrs.field(default=3, validator=_positive_int("checkpoint"))
+    grace_s: float = attrs.field(
+        default=60.0, validator=_float("checkpoint", low=0.0, low_open=True)
+    )
 
 
 _SECTIONS: dict[str, type[Any]] = {

@@ -49,7 +49,7 @@ from torch import nn
 from ms_ckpt import Checkpointer
 from ms_data import Corpus, NodeLoader, PackedDataset, get_tokenizer
 from ms_optim import Lamb, lamb_param_groups
-from ms_train import _lock, _saves, report
+from ms_train import _lock, _saves, _stop, report
 from ms_train._rng import RankRNG, seed_rank
 from ms_train.config import Config, ConfigError, OptimConfig
 from ms_train.demo import demo_corpus
@@ -237,6 +237,7 @@ class Trainer:
         self._peak_flops = peak_flops
         self.step = 0
         self._rng_seeded = False  # a resume at another DP size seeded this rank's RNG
+        self._stop: _stop.StopRequest | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -372,8 +373,16 @@ class Trainer:
         return float(value.item())
 
     def train(self) -> RunSummary:
-        """Resume if there is a checkpoint, train to ``train.steps``, checkpoint, report."""
+        """Resume if there is a checkpoint, train to ``train.steps``, checkpoint, report.
+
+        When it runs in the main thread, SIGINT and SIGTERM finish the step, commit a
+        checkpoint of it within ``checkpoint.grace_s`` and raise ``Stopped``; a second
+        one ends the process at once (``ms_train._stop``).
+        """
         c = self.config
+        self._stop = stop = _stop.StopRequest(
+            c.checkpoint.grace_s, lambda first: _stop.stop_at_once(self, first), self.world_size
+        ).install()
         start = self.resume()
         total_steps = c.train.steps
         tokens_per_step = c.data.global_batch * c.model.seq_len
@@ -436,6 +445,12 @@ class Trainer:
                 elapsed = time.perf_counter() - t_first
                 per_step = elapsed / (done - start - 1) if done > start + 1 else math.nan
                 progress.update(done, per_step * (total_steps - done), record)
+            if stop.agreed():
+                progress.close()
+                if metrics is not None:
+                    metrics.close()
+                raise _stop.finish(self, stop, done, self.saves.in_flight)
+        stop.restore()
         t_end = time.perf_counter()  # the final checkpoint's write is not training time
         progress.close()
         self.saves.finish(self._state)
@@ -594,6 +609,8 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
+        if self._stop is not None:
+            self._stop.restore()
         try:
             self.checkpointer.finalize()
         finally:

@@ -1,0 +1,275 @@
+"""``ms-train --nproc N``: the launcher, and what each rank does under it.
+
+The launcher runs torch's elastic agent (``torch.distributed.launcher.api``, what
+``torchrun --standalone`` runs) in a thread of its own process, so that its main thread
+keeps the signals and the waiting:
+
+- the ranks are children of the launcher and die with it, whatever kills it
+  (``_procs.die_with_parent``); their helpers die with them;
+- the first SIGINT or SIGTERM is passed to every rank, which finishes its step, commits
+  a checkpoint within ``checkpoint.grace_s`` and exits; a rank still there 15 s after
+  the grace period is killed. A second signal is passed on too (the ranks stop at
+  once) and ranks still there 5 s later are killed. The launcher returns only once no
+  process of the ranks' sessions is left, and exits 130 (SIGINT) or 143 (SIGTERM),
+  like a process ended by that signal, after one line that accounts for the stop;
+- a ``JobError`` on the ranks is printed once, ``ms-train: error: [rank N] ...``, and
+  the launcher exits 2 (``EXIT_USAGE``) as one process would.
+
+The ranks report to the launcher through files in a folder it names in the
+environment (``MS_TRAIN_REPORT_DIR``), and print nothing of their own about a stop or
+an expected error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from ms_train import _procs
+from ms_train._stop import Stopped, newest_committed
+from ms_train.config import Config
+from ms_train.errors import EXIT_USAGE, JobError
+
+__all__ = ["launch", "launched", "run_rank"]
+
+_REPORT_DIR = "MS_TRAIN_REPORT_DIR"
+_LAUNCHER_PID = "MS_TRAIN_LAUNCHER_PID"
+# After the grace period, the ranks' own teardown (loader, process group) and a step
+# longer than usual; after a second signal, the time to kill a writer and unlink.
+_TEARDOWN_S = 15.0
+_AT_ONCE_S = 5.0
+# How long the launcher waits for the helpers of killed ranks to notice and exit.
+_DRAIN_S = 10.0
+
+
+def launched() -> tuple[int, Path] | None:
+    """(launcher pid, report folder) when the ``ms-train`` launcher started this rank."""
+    folder, pid = os.environ.get(_REPORT_DIR), os.environ.get(_LAUNCHER_PID)
+    if not folder or not pid:
+        return None
+    return int(pid), Path(folder)
+
+
+def run_rank(config: Config, peak_flops: float | None = None, *, trainer_cls: Any = None) -> int:
+    """Train this process's rank (one process, or one rank under a launcher); the exit
+    status. ``trainer_cls`` replaces ``Trainer`` (tests hold saves through it)."""
+    if trainer_cls is None:
+        from ms_train.trainer import Trainer as trainer_cls
+    under = launched()
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if under is not None:
+        _procs.die_with_parent(under[0])
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        _procs.die_with_parent(os.getppid())  # torchrun's agent
+    try:
+        with trainer_cls(config, peak_flops=peak_flops) as trainer:
+            trainer.train()
+    except JobError as e:
+        if under is not None:
+            _report(under[1], rank, {"error": str(e)})
+        else:
+            who = f"[rank {rank}] " if world > 1 else ""
+            print(f"ms-train: error: {who}{e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except Stopped as s:
+        if under is not None:
+            _report(under[1], rank, {"stopped": s.step, "account": s.account()})
+        elif rank == 0:
+            print(f"ms-train: {s.account()}", file=sys.stderr, flush=True)
+        # Under an agent every rank exits 0: a rank that exits otherwise makes the agent
+        # signal the others, which may still be committing the checkpoint.
+        return 0 if world > 1 else s.exit_status
+    except KeyboardInterrupt:  # Ctrl-C before the trainer took the signals over
+        return 0 if world > 1 else 128 + signal.SIGINT
+    return 0
+
+
+def _report(folder: Path, rank: int, body: dict[str, Any]) -> None:
+    tmp = folder / f".rank-{rank}.json.tmp"
+    tmp.write_text(json.dumps(body))
+    tmp.replace(folder / f"rank-{rank}.json")
+
+
+def _reports(folder: Path) -> dict[int, dict[str, Any]]:
+    found: dict[int, dict[str, Any]] = {}
+    for path in folder.glob("rank-*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            found[int(path.stem[5:])] = json.loads(path.read_text())
+    return found
+
+
+class _Agent(threading.Thread):
+    """torch's elastic agent for one node, run to the end in this thread."""
+
+    def __init__(self, launch_config: Any, args: list[str]) -> None:
+        super().__init__(name="ms-train-agent", daemon=True)
+        self.launch_config, self.args = launch_config, args
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        from torch.distributed.launcher.api import elastic_launch
+
+        try:
+            elastic_launch(self.launch_config, sys.executable)(*self.args)
+        except BaseException as e:
+            self.error = e
+
+
+def launch(nproc: int, argv: list[str], config: Config, *, module: str = "ms_train.cli") -> int:
+    """Run ``python -m module *argv`` as ``nproc`` ranks on this machine; the exit status."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    grace = config.checkpoint.grace_s
+    folder = Path(tempfile.mkdtemp(prefix="ms-train-launch-"))
+    # The ranks inherit this process's environment, set here for the launch only.
+    ours = [_REPORT_DIR, _LAUNCHER_PID]
+    if "OMP_NUM_THREADS" not in os.environ:
+        # One share of the cores per rank (the agent would otherwise force 1, with a warning).
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        ours.append("OMP_NUM_THREADS")
+    os.environ[_REPORT_DIR], os.environ[_LAUNCHER_PID] = str(folder), str(os.getpid())
+    # The agent, on a thread, cannot take the signals and says so; it reports failures
+    # as logged tracebacks. The launcher does both itself.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    launch_config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        logs_specs=DefaultLogsSpecs(log_dir=str(folder / "logs")),
+        # The agent's own wait when it ends workers, consistent with the launcher's.
+        shutdown_timeout=int(grace + _TEARDOWN_S),
+    )
+    agent = _Agent(launch_config, ["-u", "-m", module, *argv])
+    signals: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        signals.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        sessions = _supervise(agent, signals, grace)
+        _drain(sessions)
+        return _outcome(agent, signals, _reports(folder), config)
+    finally:
+        for s, prev in previous.items():
+            signal.signal(s, prev)
+        for name in ours:
+            os.environ.pop(name, None)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _supervise(agent: _Agent, signals: list[int], grace: float) -> set[int]:
+    """Run the agent to its end, passing signals on to the ranks and killing ranks that
+    outstay them; the ranks' sessions (each rank leads one)."""
+    agent.start()
+    ranks: set[int] = set()
+    told: dict[int, int] = {}  # rank pid -> signals passed to it
+    kill_at: float | None = None
+    handled = 0
+    while agent.is_alive():
+        agent.join(0.05)
+        now = _procs.children()
+        ranks.update(now)
+        if len(signals) > handled:
+            handled = len(signals)
+            bound = grace + _TEARDOWN_S if handled == 1 else _AT_ONCE_S
+            kill_at = min(kill_at or float("inf"), time.monotonic() + bound)
+        if handled:
+            # Ranks that started after the signal get it too. One signal per rank per
+            # round: two sent at once may arrive as one, and a rank counts them.
+            for pid in now:
+                sent = told.get(pid, 0)
+                if sent < min(len(signals), 2):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signals[sent])
+                    told[pid] = sent + 1
+        if kill_at is not None and time.monotonic() > kill_at:
+            for pid in now:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    return ranks
+
+
+def _drain(sessions: set[int]) -> None:
+    """Wait until no process of the ranks' sessions is left (their helpers watch their
+    parent and exit soon after it); kill what remains after a bound."""
+    deadline = time.monotonic() + _DRAIN_S
+    while time.monotonic() < deadline:
+        if not _procs.session_members(sessions):
+            return
+        time.sleep(0.05)
+    for pid in _procs.session_members(sessions):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _outcome(
+    agent: _Agent, signals: list[int], reports: dict[int, dict[str, Any]], config: Config
+) -> int:
+    """Print the one line the run ends with, if any; the exit status."""
+    if signals:
+        first = signals[0]
+        stop = reports.get(0, {})
+        if len(signals) == 1 and "account" in stop:
+            print(f"ms-train: {stop['account']}", file=sys.stderr, flush=True)
+        else:
+            how = "at once on a second signal" if len(signals) > 1 else "before a step ended"
+            line = newest_committed(*_latest(config))
+            print(
+                f"ms-train: stopped {how}; {line}; run the same command to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 128 + first
+    errors = sorted((r, rep["error"]) for r, rep in reports.items() if "error" in rep)
+    if errors:
+        rank, message = errors[0]
+        print(f"ms-train: error: [rank {rank}] {message}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    if agent.error is not None:
+        print(f"ms-train: error: {_describe(agent.error)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _latest(config: Config) -> tuple[int | None, str]:
+    from ms_ckpt import Checkpointer
+
+    root = config.checkpoint.dir or str(Path(config.train.out_dir) / "ckpt")
+    ckpt = Checkpointer(root)
+    try:
+        return ckpt.latest_step(), root
+    finally:
+        ckpt.finalize()
+
+
+def _describe(error: BaseException) -> str:
+    """A failed rank in one line (its traceback, if any, is in the output above)."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return f"the launcher failed: {type(error).__name__}: {error}"
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        code = failure.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        parts.append(f"rank {rank} ({how})")
+    return f"{', '.join(parts)} failed; see the output above"

@@ -1,0 +1,225 @@
+"""Stopping a run on a signal: finish the step, save, account for it, exit.
+
+A cluster scheduler sends SIGTERM some time before it preempts a job, and a person
+presses Ctrl-C; both mean "finish the step, commit a checkpoint of it, say so, exit"
+(DESIGN.md, a job's life). The first SIGINT or SIGTERM only sets a flag; the trainer
+looks at it after every step. The ranks may see the signal at different steps, so with
+several ranks the flag is agreed on with a MAX all-reduce of one integer per step, on a
+gloo group (a CPU tensor: on NCCL the check would synchronize the GPU every step); a
+single process reads the flag and pays nothing. The final save is bounded by
+``checkpoint.grace_s`` from the signal: a save that has not committed by then is
+abandoned, and the account names the newest committed step instead.
+
+A second signal means "stop now": the handler kills the checkpoint writer (what it was
+writing stays uncommitted), stops the data loader, says which step is the newest
+committed one and ends the process at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StopRequest", "Stopped"]
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(Exception):
+    """Training stopped on SIGINT or SIGTERM after finishing a step.
+
+    Attributes:
+        signum: the signal that asked for the stop.
+        step: the step the run reached (every rank the same).
+        committed: the newest committed checkpoint step (``step`` when the final save
+            made it), or None when there is none.
+        checkpoint_dir: the checkpoint root.
+        problem: why the final save did not commit ("" when it did).
+    """
+
+    def __init__(
+        self,
+        signum: int,
+        step: int,
+        committed: int | None,
+        checkpoint_dir: str,
+        problem: str = "",
+    ) -> None:
+        self.signum = signum
+        self.step = step
+        self.committed = committed
+        self.checkpoint_dir = checkpoint_dir
+        self.problem = problem
+        super().__init__(self.account())
+
+    @property
+    def exit_status(self) -> int:
+        """The shell's convention for a process ended by the signal: 128 + its number."""
+        return 128 + self.signum
+
+    def account(self) -> str:
+        """One line: where the run stopped, what is committed, how to go on."""
+        if not self.problem and self.committed == self.step:
+            saved = f"checkpoint step {self.step} committed at {_step_path(self)}"
+        else:
+            saved = f"the final checkpoint did not commit ({self.problem}); " + newest_committed(
+                self.committed, self.checkpoint_dir
+            )
+        return f"stopped at step {self.step}; {saved}; run the same command to resume"
+
+
+def _step_path(s: Stopped) -> str:
+    return f"{s.checkpoint_dir.rstrip('/')}/step-{s.step:08d}"
+
+
+def newest_committed(step: int | None, checkpoint_dir: str) -> str:
+    """The part of an account that names the newest committed checkpoint."""
+    if step is None:
+        return f"no checkpoint is committed under {checkpoint_dir}, a rerun starts fresh"
+    return (
+        f"newest committed checkpoint: step {step} at {checkpoint_dir.rstrip('/')}/step-{step:08d}"
+    )
+
+
+class StopRequest:
+    """SIGINT/SIGTERM handlers for one rank's training loop.
+
+    ``install()`` takes over both signals (from the main thread only: Python's rule;
+    elsewhere it does nothing) and ``restore()`` puts the previous handlers back. The
+    first signal is recorded; :meth:`agreed` says whether the ranks stop after the
+    step just done. A second signal calls ``at_once(signum)``, which must end the
+    process.
+
+    Args:
+        grace_s: seconds from the first signal that the final save may take.
+        at_once: what a second signal does (it must not return normally).
+        world_size: ranks of the job; more than one needs torch.distributed initialized.
+    """
+
+    def __init__(self, grace_s: float, at_once: Callable[[int], None], world_size: int = 1) -> None:
+        self.grace_s = grace_s
+        self.at_once = at_once
+        self.world_size = world_size
+        #: The first signal's number, 0 until one arrives.
+        self.signum = 0
+        self.received_at: float | None = None
+        self._previous: dict[int, Any] = {}
+        self._group: Any = None
+        self._flag: torch.Tensor | None = None
+        if world_size > 1:
+            # The flag travels on CPU: a gloo group unless the default group is gloo.
+            if dist.get_backend() == "gloo":
+                self._group = dist.group.WORLD
+            else:
+                self._group = dist.new_group(backend="gloo")
+            self._flag = torch.zeros(1, dtype=torch.int64)
+
+    def install(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread() and not self._previous:
+            for sig in _SIGNALS:
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handler)
+        return self
+
+    def restore(self) -> None:
+        for sig, prev in self._previous.items():
+            if signal.getsignal(sig) == self._handler:
+                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if not self.signum:
+            self.signum = signum
+            self.received_at = time.monotonic()
+            return
+        self.at_once(self.signum)
+
+    def deadline(self) -> float:
+        """When the final save must have committed (monotonic clock)."""
+        start = self.received_at if self.received_at is not None else time.monotonic()
+        return start + self.grace_s
+
+    def agreed(self) -> int:
+        """After a step: the signal every rank stops on, or 0 to go on (collective with
+        several ranks: each rank calls it after each step)."""
+        if self._flag is None:
+            return self.signum
+        self._flag.fill_(self.signum)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+        agreed = int(self._flag.item())
+        if agreed and not self.signum:  # another rank's signal: the deadline runs from now
+            self.signum, self.received_at = agreed, time.monotonic()
+        return agreed
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (collective with several ranks)."""
+        if self._flag is None:
+            return ok
+        self._flag.fill_(int(ok))
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(self._flag.item())
+
+
+def finish(trainer: Any, stop: StopRequest, step: int, handle: Any) -> Stopped:
+    """Commit a checkpoint of ``step`` within the grace period; the account of the stop.
+
+    ``handle`` is the trainer's newest save (None if none): when it already saves
+    ``step`` it is waited for instead of saving again.
+    """
+    from ms_ckpt import CheckpointError
+
+    ckpt = trainer.checkpointer
+    problem = ""
+    try:
+        if handle is not None and handle.step != step:  # an earlier save still in flight
+            handle.wait(timeout=max(0.0, stop.deadline() - time.monotonic()))
+        if handle is None or handle.step != step:
+            trainer.step = step
+            handle = ckpt.save(step, trainer._state())
+        handle.wait(timeout=max(0.0, stop.deadline() - time.monotonic()))
+    except TimeoutError:
+        problem = f"not committed within checkpoint.grace_s = {stop.grace_s:g} s"
+    except CheckpointError as e:
+        problem = str(e).split("\n", 1)[0]
+    # Rank 0's save commits last (it merges every rank's part): this also waits for it.
+    if not stop.all_ok(not problem):
+        problem = problem or "another rank's part did not commit"
+        ckpt.abort()  # do not wait at close for a save that is abandoned
+    committed = step if not problem else ckpt.latest_step()
+    return Stopped(stop.signum, step, committed, trainer.checkpoint_dir, problem)
+
+
+def stop_at_once(trainer: Any, first: int) -> None:
+    """A second signal: abandon the save in flight, stop the loader, say what is
+    committed, end the process with 128 + the ``first`` signal's number.
+
+    Rank 0 says it, unless the ``ms-train`` launcher started the rank: the launcher
+    then says it once the ranks are gone.
+    """
+    from ms_train._launch import launched
+
+    try:
+        trainer.checkpointer.abort()
+        close = getattr(trainer.loader, "close", None)
+        if callable(close):
+            close()
+        if trainer.rank == 0 and launched() is None:
+            trainer.stream.flush()
+            line = newest_committed(trainer.checkpointer.latest_step(), trainer.checkpoint_dir)
+            print(
+                f"\nms-train: stopped at once on a second signal; {line}; "
+                "run the same command to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        os._exit(128 + first)

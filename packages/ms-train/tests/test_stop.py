@@ -1,0 +1,63 @@
+"""The stop request of one rank, with real signals to this process; the account."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from ms_train._stop import Stopped, StopRequest
+from ms_train.config import ConfigError, load_config
+
+
+class _AtOnce(Exception):
+    pass
+
+
+def test_the_first_signal_asks_the_second_stops_at_once() -> None:
+    calls: list[int] = []
+
+    def at_once(first: int) -> None:
+        calls.append(first)
+        raise _AtOnce
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopRequest(30.0, at_once).install()
+    try:
+        assert stop.agreed() == 0
+        os.kill(os.getpid(), signal.SIGTERM)  # handled before the next line runs
+        assert stop.agreed() == signal.SIGTERM and calls == []
+        assert stop.received_at is not None
+        assert stop.deadline() == pytest.approx(stop.received_at + 30.0)
+        with pytest.raises(_AtOnce):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert calls == [signal.SIGTERM]  # exit status from the first signal
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_account() -> None:
+    done = Stopped(signal.SIGINT, 12, 12, "runs/x/ckpt/")
+    assert done.exit_status == 130
+    assert done.account() == (
+        "stopped at step 12; checkpoint step 12 committed at runs/x/ckpt/step-00000012; "
+        "run the same command to resume"
+    )
+    late = Stopped(signal.SIGTERM, 12, 10, "runs/x/ckpt", "not committed within 5 s")
+    assert late.exit_status == 143
+    assert late.account() == (
+        "stopped at step 12; the final checkpoint did not commit (not committed within 5 s); "
+        "newest committed checkpoint: step 10 at runs/x/ckpt/step-00000010; "
+        "run the same command to resume"
+    )
+    none = Stopped(signal.SIGTERM, 3, None, "c", "disk full")
+    assert "no checkpoint is committed under c, a rerun starts fresh" in none.account()
+
+
+def test_grace_is_validated() -> None:
+    assert load_config(None, preset="tiny").checkpoint.grace_s == 60.0
+    with pytest.raises(ConfigError, match=r"checkpoint.grace_s must be a number > 0.0, got 0"):
+        load_config(None, preset="tiny", overrides=["checkpoint.grace_s=0"])
