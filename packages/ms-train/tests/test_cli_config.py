@@ -97,7 +97,8 @@ _text = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=20)
 _overrides = st.fixed_dictionaries(
     {},
     optional={
-        "model.window": st.one_of(st.none(), st.integers(1, 4096)),
+        # At most every preset's seq_len: a longer window is refused.
+        "model.window": st.one_of(st.none(), st.integers(1, 128)),
         "model.d_ff": st.one_of(st.none(), st.integers(1, 4096).map(lambda k: 8 * k)),
         "model.dropout": st.floats(0.0, 1.0, exclude_max=True),
         "model.tie_embeddings": st.booleans(),

@@ -35,7 +35,7 @@ def test_default_is_tiny_and_file_then_overrides_apply_in_order(tmp_path: Path) 
     assert load_config() == load_config(preset="tiny")
     path = tmp_path / "run.toml"
     path.write_text(
-        "[model]\nvocab_size = 100\nd_model = 64\nn_layers = 2\nn_heads = 4\nseq_len = 32\n"
+        "[model]\nvocab_size = 100\nd_model = 64\nn_layers = 2\nn_heads = 4\nseq_len = 64\n"
         "[optim]\nname = 'adamw'\nlr = 1e-3\n"
     )
     cfg = load_config(path, overrides=["model.n_layers=6", "optim.lr=2e-3", "model.window=none"])

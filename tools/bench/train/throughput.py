@@ -101,7 +101,7 @@ LOSS_RTOL = 1e-4
 
 def make_config(shards: Path, out_dir: str, steps: int) -> Config:
     """The tiny preset for ``steps`` steps in one process, writing under ``out_dir``."""
-    warmup = min(load_config(None, preset=PRESET).optim.warmup_steps, steps)
+    warmup = min(load_config(None, preset=PRESET).warmup_steps, steps)
     return load_config(
         None,
         preset=PRESET,
@@ -223,7 +223,9 @@ def run_plain(
     t_first = t_inner = time.perf_counter()
     total = torch.zeros(())
     for step in range(steps):
-        lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=steps)
+        lr = lr_at(
+            step, lr=o.lr, min_lr=o.min_lr, warmup_steps=config.warmup_steps, total_steps=steps
+        )
         for group in opt.param_groups:
             group["lr"] = lr
         total = torch.zeros(())

@@ -32,12 +32,14 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from ms_train import _procs
+from ms_train._fail import report_failure
 from ms_train._stop import Stopped, newest_committed
 from ms_train.config import Config
 from ms_train.errors import EXIT_USAGE, JobError
@@ -62,9 +64,16 @@ def launched() -> tuple[int, Path] | None:
     return int(pid), Path(folder)
 
 
-def run_rank(config: Config, peak_flops: float | None = None, *, trainer_cls: Any = None) -> int:
+def run_rank(
+    config: Config,
+    peak_flops: float | None = None,
+    *,
+    trainer_cls: Any = None,
+    debug: bool = False,
+) -> int:
     """Train this process's rank (one process, or one rank under a launcher); the exit
-    status. ``trainer_cls`` replaces ``Trainer`` (tests hold saves through it)."""
+    status. ``trainer_cls`` replaces ``Trainer`` (tests hold saves through it); ``debug``
+    prints an expected failure's traceback too."""
     if trainer_cls is None:
         from ms_train.trainer import Trainer as trainer_cls
     under = launched()
@@ -78,11 +87,11 @@ def run_rank(config: Config, peak_flops: float | None = None, *, trainer_cls: An
         with trainer_cls(config, peak_flops=peak_flops) as trainer:
             trainer.train()
     except JobError as e:
-        if under is not None:
-            _report(under[1], rank, {"error": str(e)})
-        else:
-            who = f"[rank {rank}] " if world > 1 else ""
-            print(f"ms-train: error: {who}{e}", file=sys.stderr, flush=True)
+        if under is None:
+            return report_failure(e, debug=debug, who=f"[rank {rank}] " if world > 1 else "")
+        if debug:
+            traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+        _report(under[1], rank, {"error": str(e)})
         return EXIT_USAGE
     except Stopped as s:
         if under is not None:

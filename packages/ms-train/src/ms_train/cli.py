@@ -1,9 +1,12 @@
 """The ``ms-train`` command.
 
 ``ms-train [--config FILE | --preset NAME] [--nproc N] [--set k=v ...]`` trains (the
-``tiny`` preset when neither is given). With ``--nproc N > 1`` outside torchrun it
-launches N ranks through torch's elastic agent, as ``torchrun --standalone`` does, and
-owns them (``ms_train._launch``); under torchrun (``WORLD_SIZE`` set) every worker
+``tiny`` preset when neither is given), after the preflight checks (``_preflight``);
+``--dry-run`` stops after them with the plan. An expected failure (``JobError``) is one
+line and exit status 2; ``--debug`` (or ``MS_TRAIN_DEBUG=1``) adds its traceback.
+With ``--nproc N > 1`` outside torchrun it launches N ranks through torch's elastic
+agent, as ``torchrun --standalone`` does, and owns them (``ms_train._launch``); under
+torchrun (``WORLD_SIZE`` set) every worker
 trains its rank.
 
 ``ms-train flops`` prints model FLOPs per token and the MFU of a throughput, for a
@@ -21,7 +24,11 @@ import sys
 from collections.abc import Sequence
 
 from ms_train import _cli_config, flops
+from ms_train._dry_run import dry_run_plan
+from ms_train._fail import debug_wanted, report_failure
+from ms_train._preflight import preflight
 from ms_train.config import PRESETS, ConfigError, load_config
+from ms_train.errors import JobError
 
 __all__ = ["main"]
 
@@ -56,6 +63,17 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="P",
         help="per-rank peak TFLOP/s for MFU (default: a measured matmul rate)",
+    )
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate, run the preflight checks, print the layout, parameters and FLOPs "
+        "per step, and stop",
+    )
+    train.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of an expected failure too (or set MS_TRAIN_DEBUG=1)",
     )
     sub = parser.add_subparsers(
         dest="command", metavar="COMMAND", parser_class=flops._OneLineParser
@@ -146,13 +164,21 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     preset = args.preset if args.preset or args.config else "tiny"
+    debug = debug_wanted(args.debug)
     try:
         config = load_config(args.config, preset=preset, overrides=args.set)
         under_torchrun = "WORLD_SIZE" in os.environ
-        config.layout(int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc)
-    except (ConfigError, OSError) as e:
-        print(f"ms-train: error: {e}", file=sys.stderr)
-        return 2
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
+        config.layout(world)
+        # In the launcher, before any rank starts; under torchrun, Trainer checks.
+        if args.dry_run or not under_torchrun:
+            checked = preflight(config, build_demo=not args.dry_run)
+    except (JobError, OSError) as e:
+        return report_failure(e, debug=debug)
+    if args.dry_run:
+        if os.environ.get("RANK", "0") == "0":
+            print(dry_run_plan(config, world, checked), flush=True)
+        return 0
     if args.nproc > 1 and not under_torchrun:
         from ms_train._launch import launch
 
@@ -160,7 +186,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from ms_train._launch import run_rank
 
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
-    return run_rank(config, peak)
+    return run_rank(config, peak, debug=debug)
 
 
 if __name__ == "__main__":

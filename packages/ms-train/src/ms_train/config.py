@@ -123,6 +123,14 @@ class ModelConfig:
                 f"model.window must be None (full causal attention) or an int >= 1 "
                 f"(tokens seen, the current one included), got {self.window!r}"
             )
+        if self.window is not None and self.window > self.seq_len:
+            # Refused rather than read as full attention: the config is the run's record,
+            # and a window no sequence can fill says something the model does not do.
+            raise ConfigError(
+                f"model.window ({self.window}) must not exceed model.seq_len "
+                f"({self.seq_len}): a window that long is full causal attention; set "
+                f"model.window=none for that, or a window <= {self.seq_len}"
+            )
         if type(self.tie_embeddings) is not bool:
             raise ConfigError(f"model.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         if type(self.init_std) not in (int, float) or not self.init_std > 0:
@@ -208,7 +216,12 @@ class OptimConfig:
         name: ``"lamb"`` (ms-optim) or ``"adamw"`` (torch).
         lr: peak learning rate, reached after ``warmup_steps``.
         min_lr: the cosine schedule's floor at the last step.
-        warmup_steps: linear warm-up steps from 0.
+        warmup_steps: linear warm-up steps from 0, at most ``train.steps``; ``None``
+            (the default): derived from the run's length, 5% of ``train.steps``
+            (rounded up) but at most ``max_warmup_steps`` (``Config.warmup_steps``).
+        max_warmup_steps: the derived warm-up's ceiling: a long run warms up for this
+            many steps (what the optimizer needs to settle does not grow with the run),
+            a short one for 5% of its steps, so a smoke run still reaches the peak rate.
         weight_decay: decoupled weight decay; biases, norms and embeddings get none.
         beta1, beta2, eps: the moment coefficients and the denominator's epsilon.
         clip_grad: clip the global gradient norm to this (0: no clipping).
@@ -219,7 +232,8 @@ class OptimConfig:
     )
     lr: float = attrs.field(default=3e-3, validator=_float("optim", low=0.0, low_open=True))
     min_lr: float = attrs.field(default=3e-4, validator=_float("optim", low=0.0))
-    warmup_steps: int = attrs.field(default=10, validator=_nonneg_int("optim"))
+    warmup_steps: int | None = attrs.field(default=None)
+    max_warmup_steps: int = attrs.field(default=2000, validator=_nonneg_int("optim"))
     weight_decay: float = attrs.field(default=0.01, validator=_float("optim", low=0.0))
     beta1: float = attrs.field(default=0.9, validator=_unit_float("optim"))
     beta2: float = attrs.field(default=0.95, validator=_unit_float("optim"))
@@ -227,6 +241,13 @@ class OptimConfig:
     clip_grad: float = attrs.field(default=1.0, validator=_float("optim", low=0.0))
 
     def __attrs_post_init__(self) -> None:
+        if self.warmup_steps is not None and (
+            type(self.warmup_steps) is not int or self.warmup_steps < 0
+        ):
+            raise ConfigError(
+                f"optim.warmup_steps must be None (derived from train.steps) or an int >= 0, "
+                f"got {self.warmup_steps!r}"
+            )
         if self.min_lr > self.lr:
             raise ConfigError(f"optim.min_lr ({self.min_lr}) must not exceed optim.lr ({self.lr})")
 
@@ -354,11 +375,20 @@ class Config:
                 f"data.global_batch ({self.data.global_batch}) must be a multiple of "
                 f"data.micro_batch ({self.data.micro_batch})"
             )
-        if self.optim.warmup_steps > self.train.steps:
+        if self.optim.warmup_steps is not None and self.optim.warmup_steps > self.train.steps:
             raise ConfigError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) must not exceed "
-                f"train.steps ({self.train.steps})"
+                f"train.steps ({self.train.steps}); leave it unset to derive it from "
+                "train.steps"
             )
+
+    @property
+    def warmup_steps(self) -> int:
+        """The run's warm-up: ``optim.warmup_steps``, or 5% of ``train.steps`` (rounded
+        up) capped by ``optim.max_warmup_steps`` when that is None."""
+        if self.optim.warmup_steps is not None:
+            return self.optim.warmup_steps
+        return min(self.optim.max_warmup_steps, -(-self.train.steps // 20))
 
     def layout(self, world_size: int) -> tuple[int, int]:
         """(dp, gradient-accumulation steps) for ``world_size`` ranks, or ConfigError."""
@@ -404,7 +434,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "block": "parallel",
         },
         "data": {"micro_batch": 8, "global_batch": 16},
-        "optim": {"name": "lamb", "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 30},
+        # 5% of 600 steps is 30; the cap keeps 30 when a resumed run goes on further.
+        "optim": {"name": "lamb", "lr": 1e-2, "min_lr": 1e-3, "max_warmup_steps": 30},
         "train": {"steps": 600, "out_dir": "runs/tiny", "log_every": 10},
         "checkpoint": {"every": 100},
     },
@@ -418,7 +449,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "seq_len": 2048,
         },
         "data": {"micro_batch": 4, "global_batch": 512},
-        "optim": {"lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 2000},
+        "optim": {"lr": 2e-3, "min_lr": 2e-4, "max_warmup_steps": 2000},
         "train": {"steps": 100_000, "out_dir": "runs/gpt-1b"},
         "checkpoint": {"every": 1000},
     },
@@ -431,7 +462,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "seq_len": 2048,
         },
         "data": {"micro_batch": 2, "global_batch": 1024},
-        "optim": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2000},
+        "optim": {"lr": 1e-3, "min_lr": 1e-4, "max_warmup_steps": 2000},
         "parallel": {"tp": 8, "pp": 2},
         "train": {"steps": 100_000, "out_dir": "runs/gpt-13b"},
         "checkpoint": {"every": 1000},
@@ -447,7 +478,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "seq_len": 2048,
         },
         "data": {"micro_batch": 1, "global_batch": 6144},
-        "optim": {"name": "lamb", "lr": 6e-4, "min_lr": 6e-5, "warmup_steps": 2000},
+        "optim": {"name": "lamb", "lr": 6e-4, "min_lr": 6e-5, "max_warmup_steps": 2000},
         "parallel": {"tp": 8, "pp": 8, "virtual_stages": 6},
         "train": {"steps": 100_000, "out_dir": "runs/gpt-175b"},
         "checkpoint": {"every": 500},

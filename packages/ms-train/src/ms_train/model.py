@@ -270,7 +270,8 @@ class GPT(nn.Module):
     ``h @ tok_emb.weight^T`` and the state_dict holds the embedding once.
 
     ``device`` / ``dtype`` place the parameters; the values do not depend on them
-    (see :func:`init_parameters`).
+    (see :func:`init_parameters`). On ``device="meta"`` the parameters have shapes only
+    (nothing is drawn), for counting parameters and checking checkpoints.
     """
 
     head: nn.Linear | None
@@ -301,7 +302,10 @@ class GPT(nn.Module):
         else:
             self.head = nn.Linear(d, config.vocab_size, bias=False, device=meta, dtype=dtype)
         self.to_empty(device=torch.device("cpu") if device is None else device)
-        init_parameters(self, config)
+        # A meta model has shapes and no values (preflight, --dry-run): drawing the
+        # initial values of a 175B model on CPU would take the host's memory.
+        if self.tok_emb.weight.device.type != "meta":
+            init_parameters(self, config)
 
     @property
     def output_weight(self) -> torch.Tensor:

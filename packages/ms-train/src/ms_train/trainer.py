@@ -50,6 +50,8 @@ from ms_ckpt import Checkpointer
 from ms_data import Corpus, NodeLoader, PackedDataset, get_tokenizer
 from ms_optim import Lamb, lamb_param_groups
 from ms_train import _lock, _saves, _stop, report
+from ms_train._data_errors import damaged_data
+from ms_train._preflight import preflight
 from ms_train._rng import RankRNG, seed_rank
 from ms_train.config import Config, ConfigError, OptimConfig
 from ms_train.demo import demo_corpus
@@ -175,6 +177,7 @@ class Trainer:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a ms_train.Config, got {type(config).__name__}")
         self.config = config
+        preflight(config, data=loader is None)  # before the process group and the model
         self._owns_group = False
         self._closed = False
         world = _env_int("WORLD_SIZE", 1)
@@ -187,12 +190,6 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         p = config.parallel
-        if p.tp > 1 or p.pp > 1:
-            raise ConfigError(
-                f"parallel.tp = {p.tp} and parallel.pp = {p.pp}: this trainer runs data "
-                "parallelism only until the ms-parallel tensor/pipeline engine is wired in; "
-                "set both to 1"
-            )
         self.dp, self.grad_accum = config.layout(self.world_size)
         self.local_rank = _env_int("LOCAL_RANK", self.rank)
         self.local_world_size = _env_int("LOCAL_WORLD_SIZE", self.world_size)
@@ -345,14 +342,20 @@ class Trainer:
             step,
             lr=c.optim.lr,
             min_lr=c.optim.min_lr,
-            warmup_steps=c.optim.warmup_steps,
+            warmup_steps=c.warmup_steps,
             total_steps=c.train.steps,
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
-            batch = next(self.loader).to(self.device, non_blocking=True)
+            try:
+                batch = next(self.loader).to(self.device, non_blocking=True)
+            except Exception as e:
+                damaged = damaged_data(e, c.data.shards)
+                if damaged is None:
+                    raise
+                raise damaged from e
             last = micro == self.grad_accum - 1
             with contextlib.nullcontext() if last else self.engine.no_sync(self.wrapped):
                 with self._autocast():
