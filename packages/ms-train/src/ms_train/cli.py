@@ -18,7 +18,9 @@ import sys
 from collections.abc import Sequence
 
 from ms_train import flops
+from ms_train._tensorboard import require_tensorboard
 from ms_train.config import PRESETS, ConfigError, load_config
+from ms_train.errors import JobError
 
 __all__ = ["main"]
 
@@ -137,7 +139,9 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         config = load_config(args.config, preset=preset, overrides=args.set)
         under_torchrun = "WORLD_SIZE" in os.environ
         config.layout(int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc)
-    except (ConfigError, OSError) as e:
+        if config.train.tensorboard:
+            require_tensorboard()  # before torchrun starts ranks that would each fail
+    except (JobError, OSError) as e:
         print(f"ms-train: error: {e}", file=sys.stderr)
         return 2
     if args.nproc > 1 and not under_torchrun:
@@ -164,7 +168,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         with Trainer(config, peak_flops=peak) as trainer:
             trainer.train()
-    except ConfigError as e:
+    except JobError as e:
         print(f"ms-train: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
