@@ -77,10 +77,15 @@ class HeldOutEval:
 
     def describe(self) -> str:
         stats = self.dataset.stats()
-        return (
+        text = (
             f"{stats['documents']} held-out documents, {stats['tokens']:,} tokens; "
             f"{self.total} sequences per evaluation"
         )
+        held = self.dataset.samples_per_epoch
+        if held is not None and held < self.total:
+            # The stream goes on into its next epoch: a valid but repetitive estimate.
+            text += f" (the split holds {held}: some are seen twice)"
+        return text
 
     def _my_batches(self) -> list[torch.Tensor]:
         """This rank's micro-batches of the evaluation set, read once and kept."""
