@@ -165,3 +165,19 @@ def test_eval_needs_a_held_out_split(corpus: Path, tmp_path: Path) -> None:
     config = _config(corpus, tmp_path, "train.eval_every=5")
     with pytest.raises(ConfigError, match=r"a loader given to the Trainer has none"):
         Trainer(config, loader=iter([torch.zeros(2, 33, dtype=torch.long)]))
+
+
+def test_the_loss_plot_draws_the_held_out_loss_as_a_second_curve(tmp_path: Path) -> None:
+    from ms_train.report import plot_loss
+
+    records = [{"step": s, "loss": 5.0 - 0.1 * s} for s in range(1, 11)]
+    with_eval = [
+        r | {"eval_loss": 4.0 - 0.1 * r["step"]} if r["step"] % 5 == 0 else r for r in records
+    ]
+    assert plot_loss(records, tmp_path / "train.png")
+    assert plot_loss(with_eval, tmp_path / "both.png")
+    import matplotlib.image
+
+    train = matplotlib.image.imread(tmp_path / "train.png")
+    both = matplotlib.image.imread(tmp_path / "both.png")
+    assert train.shape == both.shape and (train != both).any()
