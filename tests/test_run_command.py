@@ -49,7 +49,7 @@ def test_make_run_trains_then_reuses_then_resumes(tmp_path: Path) -> None:
     assert "2 rank(s) on cpu" in first.stdout and "starting fresh" in first.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["start_step"], summary["end_step"], summary["world_size"]) == (0, 6, 2)
-    losses = [loss for _, loss in summary["losses"]]
+    losses = [loss for _, loss in summary["loss_history"]]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert (tmp_path / "cache").is_dir()  # the demo corpus was built there
 

@@ -524,3 +524,104 @@ def test_damaged_chunk_raises_or_is_skipped_and_counted(tmp_path: Path) -> None:
     # The damage changed the stream: a state from before it cannot be continued.
     with pytest.raises(ValueError, match=r"state field 'skipped' is 0.*damaged chunks"):
         ds.load_state_dict(clean.state_dict())
+
+
+# -- the held-out split --------------------------------------------------------------------
+
+
+def _docs_of(samples: list[np.ndarray], docs: list[np.ndarray]) -> set[int]:
+    """Indices of the documents whose tokens the samples hold (token ids are unique)."""
+    owner = {int(t): i for i, d in enumerate(docs) for t in d}
+    return {owner[int(t)] for s in samples for t in s if int(t) in owner}
+
+
+@pytest.mark.parametrize("boundary", ["concat", "whole"])
+def test_held_out_documents_never_reach_the_training_stream(
+    corpus_files: tuple[list[str], list[np.ndarray]], boundary: str
+) -> None:
+    paths, docs = corpus_files
+    kw: dict[str, Any] = {"boundary": boundary, "seq_len": 2 * MAX_DOC, "held_out": 0.1}
+    train = dataset(paths, **kw)
+    held = dataset(paths, split="held_out", **kw)
+    expected = set(held.held_out_documents.tolist())
+    assert len(expected) == round(0.1 * len(docs)) == 7
+    assert set(train.held_out_documents.tolist()) == expected  # whichever split asks
+    # Two epochs of each stream, read back to the documents by their (unique) tokens.
+    n_train = sum(1 for g in range(4 * len(docs)) if train.epoch(g) < 2)
+    n_held = sum(1 for g in range(4 * len(docs)) if held.epoch(g) < 2)
+    trained = _docs_of([train.sample(g) for g in range(n_train)], docs)
+    evaluated = _docs_of([held.sample(g) for g in range(n_held)], docs)
+    assert evaluated == expected
+    assert trained == set(range(len(docs))) - expected
+    stats = train.stats()
+    assert (stats["documents"], stats["held_out_documents"]) == (len(docs) - 7, 7)
+    assert held.stats()["documents"] == 7
+
+
+def test_held_out_set_is_a_function_of_the_corpus_size_and_fraction_only(
+    corpus_files: tuple[list[str], list[np.ndarray]],
+) -> None:
+    paths, docs = corpus_files
+    small = dataset(paths, held_out=0.05, seed=1).held_out_documents
+    again = dataset(paths, held_out=0.05, seed=2, shuffle=False, dp_size=3, dp_rank=2)
+    np.testing.assert_array_equal(again.held_out_documents, small)
+    larger = dataset(paths, held_out=0.2).held_out_documents
+    assert set(small.tolist()) < set(larger.tolist())
+    assert dataset(paths, held_out=0.001).held_out_documents.size == 1  # at least one
+    # Held out 0: the stream of earlier versions, sample for sample.
+    plain, zero = dataset(paths), dataset(paths, held_out=0.0)
+    for g in range(0, 3 * len(docs), 5):
+        np.testing.assert_array_equal(zero.sample(g), plain.sample(g))
+
+
+def test_held_out_stream_resumes_and_refuses_another_split(
+    corpus_files: tuple[list[str], list[np.ndarray]],
+) -> None:
+    paths, _ = corpus_files
+    held = dataset(paths, held_out=0.1, split="held_out")
+    held.advance(3, 4)
+    state = held.state_dict()
+    assert (state["held_out"], state["split"]) == (0.1, "held_out")
+    other = dataset(paths, held_out=0.1, split="held_out", dp_size=2)
+    other.load_state_dict(state)
+    assert other.next_index == 12
+    with pytest.raises(ValueError, match=r"state field 'split' is 'held_out'"):
+        dataset(paths, held_out=0.1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"state field 'held_out' is 0.1, this dataset has 0.2"):
+        dataset(paths, held_out=0.2, split="held_out").load_state_dict(state)
+    # A state saved before the split existed describes held_out 0, split "train".
+    old = dataset(paths).state_dict()
+    del old["held_out"], old["split"]
+    dataset(paths).load_state_dict(old)
+    with pytest.raises(ValueError, match=r"state field 'held_out' is 0.0"):
+        dataset(paths, held_out=0.1).load_state_dict(old)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"held_out": 1.0}, ValueError, r"held_out must be a fraction in \[0, 1\), got 1.0"),
+        ({"held_out": -0.1}, ValueError, r"held_out must be a fraction in \[0, 1\), got -0.1"),
+        ({"held_out": "0.1"}, TypeError, r"held_out must be a float, got str '0.1'"),
+        ({"split": "val"}, ValueError, r"split must be one of \('train', 'held_out'\), got 'val'"),
+        ({"split": "held_out"}, ValueError, r"split='held_out' needs held_out > 0"),
+        ({"held_out": 0.999}, ValueError, r"held_out=0.999 holds out 72 of the corpus's 72"),
+    ],
+)
+def test_bad_held_out_arguments_name_what_was_expected(
+    corpus_files: tuple[list[str], list[np.ndarray]],
+    kwargs: dict[str, Any],
+    error: type[Exception],
+    message: str,
+) -> None:
+    paths, _ = corpus_files
+    with pytest.raises(error, match=message):
+        dataset(paths, **kwargs)
+
+
+def test_held_out_split_too_small_for_a_sample_names_the_split(tmp_path: Path) -> None:
+    # 40 documents of 3 tokens: the one held out makes 4 tokens with its eos, < SEQ + 1.
+    paths = write_corpus(tmp_path, [[np.arange(3 * i + 1, 3 * i + 4) for i in range(40)]])
+    assert dataset(paths, held_out=0.01).samples_per_epoch == (39 * 4 - 1) // SEQ
+    with pytest.raises(ValueError, match=r"the documents of split 'held_out' make a stream of 4"):
+        dataset(paths, held_out=0.01, split="held_out")

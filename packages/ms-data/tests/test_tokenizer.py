@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ms_data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, get_tokenizer
 
@@ -62,3 +63,29 @@ def test_hf_tokenizer_with_the_library(tmp_path: Path) -> None:
     assert again.encode("world") == [2]
     with pytest.raises(ValueError, match="eos_token '<eos>' is not in the vocabulary"):
         HFTokenizer(path, eos_token="<eos>")
+
+
+def test_hf_tokenizer_decodes_what_it_encodes(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    # A byte-level BPE (GPT-2's scheme) trained here on a few lines: any text round-trips.
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE())
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    lines = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n"] * 20
+    hf.train_from_iterator(lines, trainer=trainer)
+    path = tmp_path / "tokenizer.json"
+    hf.save(str(path))
+    tok = get_tokenizer(path)
+    assert isinstance(tok, HFTokenizer) and tok.eos_id == 0
+    text = "def sub(a, b):\n    return a - b  # é 世界\n"
+    ids = tok.encode(text)
+    assert len(ids) < len(text.encode("utf-8"))  # merges learned, not bytes alone
+    assert tok.decode(ids) == text
+    assert tok.decode([*ids, tok.eos_id]) == text  # the end-of-document token is special
+    assert tok.decode(torch.tensor(ids)) == text  # the trainer's sample is a tensor's ids
+    assert pickle.loads(pickle.dumps(tok)).decode(ids) == text

@@ -116,7 +116,7 @@ def rank_leg(config: Config, draw: bool) -> dict[str, Any]:
         "dp": summary.dp,
         "accum": summary.grad_accum,
         "start": summary.start_step,
-        "losses": summary.losses,
+        "losses": summary.loss_history,
         "rows": rows,
         "rng_at": trainer.rng_at,
         "params": params,

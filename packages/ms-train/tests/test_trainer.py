@@ -68,7 +68,7 @@ def _config(corpus: Path, out: Path, *extra: str) -> Config:
 def _train(config: Config) -> dict[str, Any]:
     with Trainer(config, peak_flops=1e9, stream=io.StringIO()) as trainer:
         s = trainer.train()
-    return {"dp": s.dp, "accum": s.grad_accum, "losses": s.losses, "end": s.end_step}
+    return {"dp": s.dp, "accum": s.grad_accum, "losses": s.loss_history, "end": s.end_step}
 
 
 @pytest.mark.slow
@@ -269,7 +269,7 @@ def test_bf16_autocast_on_cpu(corpus: Path, tmp_path: Path, block: str) -> None:
     )
     with Trainer(config, peak_flops=1e9, stream=io.StringIO()) as trainer:
         assert trainer.autocast_dtype == torch.bfloat16
-        losses = [loss for _, loss in trainer.train().losses]
+        losses = [loss for _, loss in trainer.train().loss_history]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
 
 
@@ -310,12 +310,12 @@ def test_a_given_loader_replaces_the_node_loader(corpus: Path, tmp_path: Path) -
     with Trainer(
         given, peak_flops=1e9, stream=io.StringIO(), loader=MemoryLoader(corpus, given)
     ) as t:
-        first = [loss for _, loss in t.train().losses]
+        first = [loss for _, loss in t.train().loss_history]
     longer = attrs.evolve(given, train=attrs.evolve(given.train, steps=6))
     loader = MemoryLoader(corpus, longer)
     stream = io.StringIO()
     with Trainer(longer, peak_flops=1e9, stream=stream, loader=loader) as t:
-        rest = [loss for _, loss in t.train().losses]
+        rest = [loss for _, loss in t.train().loss_history]
     assert "data: a MemoryLoader given to the trainer" in stream.getvalue()
     assert "resumed from step 4" in stream.getvalue()
     assert loader.position == 6 * 8  # restored to 4 steps, then 2 more

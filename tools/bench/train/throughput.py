@@ -173,7 +173,7 @@ def run_ms(config: Config, peak: float, data: torch.Tensor | None = None) -> dic
     finally:
         trainer.close()
     t3 = time.perf_counter()
-    losses = dict(summary.losses)
+    losses = dict(summary.loss_history)
     steps = config.train.steps
     metrics_path = Path(config.train.out_dir) / "metrics.jsonl"
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]

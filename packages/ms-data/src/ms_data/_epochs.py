@@ -14,12 +14,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["EpochLayout", "concat_layout", "document_order", "permutation", "whole_layout"]
+__all__ = [
+    "EpochLayout",
+    "concat_layout",
+    "document_order",
+    "held_out_documents",
+    "permutation",
+    "whole_layout",
+]
 
 # The purpose of a random stream, part of its seed key, so that streams never repeat.
 _SHARD_ORDER = 0
 _DOC_ORDER = 1
 _SAMPLE_ORDER = 2
+_HELD_OUT = 3
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,22 @@ def document_order(
     if keep is not None:
         order = order[keep[order]]
     return order
+
+
+def held_out_documents(n_docs: int, fraction: float) -> np.ndarray:
+    """Global ids, sorted, of the ``fraction`` of ``n_docs`` documents held out of training.
+
+    ``max(1, round(fraction * n_docs))`` documents (none for ``fraction == 0``), drawn
+    by a permutation keyed only on the purpose: the set depends on nothing but
+    ``n_docs`` and ``fraction`` (not the shuffling seed, not the ranks), so runs with
+    other seeds evaluate on the same documents, and a larger fraction holds out a
+    superset of a smaller one's.
+    """
+    if fraction == 0:
+        return np.zeros(0, dtype=np.int64)
+    count = max(1, round(fraction * n_docs))
+    chosen = permutation(n_docs, 0, _HELD_OUT)[:count]
+    return np.sort(chosen)
 
 
 def concat_layout(

@@ -20,20 +20,31 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ms_data._epochs import EpochLayout, concat_layout, document_order, whole_layout
+from ms_data._epochs import (
+    EpochLayout,
+    concat_layout,
+    document_order,
+    held_out_documents,
+    whole_layout,
+)
 from ms_data.shard import Corpus
 
-__all__ = ["Boundary", "OnCorrupt", "PackedDataset"]
+__all__ = ["Boundary", "OnCorrupt", "PackedDataset", "Split"]
 
 Boundary = Literal["concat", "whole"]
 OnCorrupt = Literal["raise", "skip"]
+Split = Literal["train", "held_out"]
 _BOUNDARIES = ("concat", "whole")
 _ON_CORRUPT = ("raise", "skip")
+_SPLITS = ("train", "held_out")
 # Version of state_dict()'s layout; bump when a field changes meaning.
 _STATE_VERSION = 1
 # Fields of the state that define the stream: a state that differs in one of them
 # describes another stream, and resuming from it would not continue where it stopped.
 _STREAM_FIELDS = ("seed", "seq_len", "boundary", "eos_id", "pad_id", "shuffle", "corpus")
+# Stream fields added after version 1 was written, with the value a state saved
+# before them describes: such a state still loads into a dataset that agrees.
+_LATER_FIELDS: dict[str, Any] = {"held_out": 0.0, "split": "train"}
 _SKIP_FIELDS = ("skipped", "skipped_digest")
 # Epoch layouts kept in memory: the current one, the next, and one spare for workers
 # that straddle an epoch boundary.
@@ -77,6 +88,15 @@ class PackedDataset(IterableDataset[torch.Tensor]):
       construction with a ``ValueError`` naming its shard file and index. The number
       of samples differs from epoch to epoch; finding the epoch of ``g`` packs every
       earlier epoch once (cached as a list of epoch starts).
+
+    **Held-out split.** ``held_out`` (a fraction in ``[0, 1)``) sets aside
+    ``max(1, round(held_out * n_docs))`` documents, chosen by a fixed permutation of
+    the document ids (the same set whatever the seed, the ranks or the split asked
+    for). ``split="train"`` leaves them out of every epoch, as if they were skipped;
+    ``split="held_out"`` is the stream of those documents alone, packed and shuffled
+    the same way. The two streams never share a document, so a model trained on one
+    is evaluated on text it has never seen. With ``held_out=0`` (the default) the
+    training stream is the one of earlier versions, sample for sample.
 
     An empty document is refused at construction (``ValueError`` naming its shard
     file and index): it has nothing to train on and usually means a broken build.
@@ -127,6 +147,8 @@ class PackedDataset(IterableDataset[torch.Tensor]):
         on_corrupt: ``"raise"`` or ``"skip"``, above.
         dp_rank, dp_size: this rank's place among the data-parallel ranks; only
             iteration uses them.
+        held_out: the fraction of documents held out of training, above.
+        split: ``"train"`` (the documents not held out) or ``"held_out"``.
     """
 
     def __init__(
@@ -142,6 +164,8 @@ class PackedDataset(IterableDataset[torch.Tensor]):
         on_corrupt: OnCorrupt = "raise",
         dp_rank: int = 0,
         dp_size: int = 1,
+        held_out: float = 0.0,
+        split: Split = "train",
     ) -> None:
         super().__init__()
         _check_int("seq_len", seq_len, minimum=1)
@@ -158,6 +182,7 @@ class PackedDataset(IterableDataset[torch.Tensor]):
             raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__}")
         if not corpus.shards or corpus.n_docs == 0:
             raise ValueError(f"corpus must hold at least one document, got {corpus.n_docs}")
+        self._held = _held_out(corpus.n_docs, held_out, split)
         top = min(int(np.iinfo(reader.dtype).max) for reader in corpus.shards)
         if eos_id is not None:
             _check_int("eos_id", eos_id, minimum=0, maximum=top)
@@ -170,6 +195,8 @@ class PackedDataset(IterableDataset[torch.Tensor]):
         self.eos_id = None if eos_id is None else int(eos_id)
         self.pad_id = int(pad_id)
         self.shuffle = shuffle
+        self.held_out = float(held_out)
+        self.split: Split = split
         self.on_corrupt: OnCorrupt = on_corrupt
         self.dp_rank = int(dp_rank)
         self.dp_size = int(dp_size)
@@ -183,7 +210,9 @@ class PackedDataset(IterableDataset[torch.Tensor]):
         skip_bytes = self._skip.astype("<i8").tobytes()
         self._skip_digest = hashlib.blake2b(skip_bytes, digest_size=16).hexdigest()
         spans = self._spans()
-        kept_spans = int(spans[self._keep_mask()].sum()) if self._skip.size else int(spans.sum())
+        keep = self._keep_mask()
+        kept_spans = int(spans.sum()) if keep is None else int(spans[keep].sum())
+        of_split = "" if split == "train" and not self._held.size else f" of split {split!r}"
         # "concat" epochs all have the same number of samples; "whole" ones do not.
         self._epoch_len: int | None = None
         self._epoch_starts = [0]
@@ -192,14 +221,17 @@ class PackedDataset(IterableDataset[torch.Tensor]):
             self._dropped = kept_spans - self._epoch_len * seq_len - 1
             if self._epoch_len == 0:
                 raise ValueError(
-                    f"corpus is too small for seq_len={seq_len}: its documents make a "
-                    f"stream of {kept_spans} tokens (eos included, skipped documents "
-                    f"left out), fewer than one sample of seq_len + 1 = {seq_len + 1}"
+                    f"corpus is too small for seq_len={seq_len}: the documents{of_split} "
+                    f"make a stream of {kept_spans} tokens (eos included, skipped "
+                    f"documents left out), fewer than one sample of seq_len + 1 = "
+                    f"{seq_len + 1}"
                 )
         else:
             self._dropped = 0
             if kept_spans == 0:
-                raise ValueError("corpus has no document left once damaged ones are skipped")
+                raise ValueError(
+                    f"corpus has no document{of_split} left once damaged ones are skipped"
+                )
             if not shuffle:
                 self._epoch_len = self._layout(0).n_samples
 
@@ -238,18 +270,25 @@ class PackedDataset(IterableDataset[torch.Tensor]):
         return int(self._skip.size)
 
     @property
+    def held_out_documents(self) -> np.ndarray:
+        """Global ids of the held-out documents, sorted (whichever split this is)."""
+        return held_out_documents(self.corpus.n_docs, self.held_out)
+
+    @property
     def skipped_documents(self) -> np.ndarray:
         """Global ids of the skipped documents, sorted."""
         docs: np.ndarray = self._skip.copy()
         return docs
 
     def stats(self) -> dict[str, int | None]:
-        """Counts that describe the stream, for logs and summaries."""
+        """Counts that describe the stream (this split), for logs and summaries."""
         lengths = self._doc_lengths()
         skipped_tokens = int(lengths[self._skip].sum())
+        keep = self._keep_mask()
         return {
-            "documents": int(self.corpus.n_docs) - self.skipped,
-            "tokens": int(lengths.sum()) - skipped_tokens,
+            "documents": int(self.corpus.n_docs if keep is None else keep.sum()),
+            "tokens": int(lengths.sum() if keep is None else lengths[keep].sum()),
+            "held_out_documents": int(self.held_out_documents.size),
             "skipped_documents": self.skipped,
             "skipped_tokens": skipped_tokens,
             "samples_per_epoch": self._epoch_len,
@@ -303,6 +342,8 @@ class PackedDataset(IterableDataset[torch.Tensor]):
             "eos_id": self.eos_id,
             "pad_id": self.pad_id,
             "shuffle": self.shuffle,
+            "held_out": self.held_out,
+            "split": self.split,
             "corpus": self._fingerprint,
             "skipped": self.skipped,
             "skipped_digest": self._skip_digest,
@@ -324,10 +365,11 @@ class PackedDataset(IterableDataset[torch.Tensor]):
                 f"got {version!r}"
             )
         mine = self.state_dict()
+        state = {**_LATER_FIELDS, **state}
         missing = sorted(set(mine) - set(state))
         if missing:
             raise ValueError(f"state lacks the field(s) {missing}")
-        for field in _STREAM_FIELDS + _SKIP_FIELDS:
+        for field in _STREAM_FIELDS + tuple(_LATER_FIELDS) + _SKIP_FIELDS:
             if field == "pad_id" and self.boundary != "whole":
                 continue  # concat samples hold no padding
             if state[field] != mine[field]:
@@ -379,12 +421,15 @@ class PackedDataset(IterableDataset[torch.Tensor]):
         return lengths + 1 if self.eos_id is not None else lengths
 
     def _keep_mask(self) -> np.ndarray | None:
-        if not self._skip.size:
+        """Per document, whether this stream has it; None: every document."""
+        if not self._skip.size and not self._held.size:
             return None
         keep = self._keep
         if keep is None:
             # Filled before it is published: another thread never sees it half done.
-            keep = np.ones(self.corpus.n_docs, dtype=bool)
+            held = np.zeros(self.corpus.n_docs, dtype=bool)
+            held[self._held] = True
+            keep = held if self.split == "held_out" else ~held
             keep[self._skip] = False
             self._keep = keep
         return keep
@@ -560,6 +605,25 @@ def _damaged_documents(corpus: Corpus) -> np.ndarray:
             bad.append(base + np.flatnonzero(hit))
         base += reader.n_docs
     return np.concatenate(bad).astype(np.int64) if bad else _NO_DOCS
+
+
+def _held_out(n_docs: int, fraction: object, split: object) -> np.ndarray:
+    """The held-out documents for ``held_out=fraction``, after checking both arguments."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.floating)):
+        raise TypeError(f"held_out must be a float, got {type(fraction).__name__} {fraction!r}")
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"held_out must be a fraction in [0, 1), got {fraction}")
+    if split not in _SPLITS:
+        raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
+    if split == "held_out" and fraction == 0:
+        raise ValueError("split='held_out' needs held_out > 0, got held_out=0")
+    held = held_out_documents(n_docs, float(fraction))
+    if held.size >= n_docs:
+        raise ValueError(
+            f"held_out={fraction} holds out {held.size} of the corpus's {n_docs} "
+            "document(s) and leaves none to train on; lower it or add documents"
+        )
+    return held
 
 
 def _fingerprint(corpus: Corpus, lengths: np.ndarray) -> str:

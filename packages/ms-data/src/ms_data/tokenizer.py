@@ -90,6 +90,11 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def decode(self, ids: Any) -> str:
+        """The text of ``ids`` (any iterable of ints): the tokenizer's own decoder, with
+        special tokens such as the end-of-document one left out."""
+        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=True))
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (_hf_tokenizer, (str(self.path), self._eos_token))
 

@@ -31,6 +31,7 @@ import attrs
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ms_train._tensorboard import require_tensorboard
 from ms_train.config import Config, ConfigError
 from ms_train.errors import JobError
 
@@ -62,6 +63,8 @@ def preflight(config: Config, *, data: bool = True, build_demo: bool = True) -> 
             and rebuild a damaged cache; off (``--dry-run``): only say what a run would do.
     """
     _runnable(config)
+    if config.train.tensorboard:
+        require_tensorboard()
     out_dir = config.train.out_dir
     checkpoint_dir = config.checkpoint.dir or str(Path(out_dir) / "ckpt")
     _writable_dir("train.out_dir", out_dir)

@@ -197,6 +197,10 @@ class DataConfig:
         shuffle: visit sequences in a seeded random order.
         prefetch: micro-batches the node loader keeps ready ahead of the trainer.
         seed: the data order's seed.
+        eval_fraction: the fraction of documents held out of training for evaluation
+            (``train.eval_every``), at least one document when > 0; a fixed choice, the
+            same for any seed or number of ranks. 0: no held-out split, and the training
+            stream of earlier versions.
     """
 
     shards: str = attrs.field(default="", validator=_str("data"))
@@ -206,6 +210,7 @@ class DataConfig:
     shuffle: bool = attrs.field(default=True, validator=_bool("data"))
     prefetch: int = attrs.field(default=4, validator=_positive_int("data"))
     seed: int = attrs.field(default=0, validator=_nonneg_int("data"))
+    eval_fraction: float = attrs.field(default=0.0, validator=_unit_float("data"))
 
 
 @attrs.frozen(kw_only=True)
@@ -285,6 +290,13 @@ class TrainConfig:
         out_dir: where metrics, the loss plot, the sample and the summary go.
         sample_tokens: tokens generated at the end (0: no sample).
         sample_prompt: the text the sample continues.
+        eval_every: steps between evaluations of the loss on the held-out split
+            (``data.eval_fraction``), also run at the last step; 0: none.
+        eval_batches: global batches (``data.global_batch`` sequences each) of the
+            held-out split in one evaluation: the same sequences every time, however
+            many ranks share them.
+        tensorboard: also write the metrics as TensorBoard event files under
+            ``out_dir/tensorboard`` (needs the ``tensorboard`` extra).
     """
 
     steps: int = attrs.field(default=100, validator=_positive_int("train"))
@@ -299,6 +311,9 @@ class TrainConfig:
     out_dir: str = attrs.field(default="runs/default", validator=_str("train"))
     sample_tokens: int = attrs.field(default=200, validator=_nonneg_int("train"))
     sample_prompt: str = attrs.field(default="def ", validator=_str("train"))
+    eval_every: int = attrs.field(default=0, validator=_nonneg_int("train"))
+    eval_batches: int = attrs.field(default=2, validator=_positive_int("train"))
+    tensorboard: bool = attrs.field(default=False, validator=_bool("train"))
 
 
 @attrs.frozen(kw_only=True)
@@ -374,6 +389,11 @@ class Config:
             raise ConfigError(
                 f"data.global_batch ({self.data.global_batch}) must be a multiple of "
                 f"data.micro_batch ({self.data.micro_batch})"
+            )
+        if self.train.eval_every and not self.data.eval_fraction:
+            raise ConfigError(
+                f"train.eval_every = {self.train.eval_every} needs a held-out split to "
+                "evaluate on: set data.eval_fraction > 0 (e.g. 0.01)"
             )
         if self.optim.warmup_steps is not None and self.optim.warmup_steps > self.train.steps:
             raise ConfigError(

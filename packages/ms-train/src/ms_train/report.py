@@ -16,6 +16,7 @@ __all__ = [
     "MetricsLog",
     "Progress",
     "format_duration",
+    "format_mfu",
     "format_summary",
     "plot_loss",
     "read_metrics",
@@ -41,8 +42,19 @@ def _rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:.0f}"
 
 
+def format_mfu(mfu: float, peak_flops: float, source: str | None) -> str:
+    """``"26.6% of 190.0 GFLOP/s per rank (measured)"``; an MFU over 100% says so."""
+    if not math.isfinite(mfu):
+        return "n/a"
+    text = f"{100 * mfu:.1f}% of {peak_flops / 1e9:,.1f} GFLOP/s per rank ({source})"
+    if mfu > 1.0:
+        text += ": over 100%, the peak is too low (give it with --peak-tflops)"
+    return text
+
+
 class Progress:
-    """One status line: step, bar, loss, tokens/s, MFU, data-wait % and ETA.
+    """One status line: step, bar, loss (and held-out loss), tokens/s, MFU, data-wait %
+    and ETA. An MFU over 100% is marked ``(!)``: its peak is too low.
 
     On a terminal the line is redrawn in place every step; elsewhere (CI, a log file)
     a line is printed at every logged step only, so logs stay short.
@@ -66,10 +78,13 @@ class Progress:
         parts = [f"step {step:>{len(str(self.total))}}/{self.total} [{bar}]"]
         if "loss" in metrics:
             parts.append(f"loss {metrics['loss']:.4f}")
+        if "eval_loss" in metrics:
+            parts.append(f"eval {metrics['eval_loss']:.4f}")
         if "tokens_per_s" in metrics:
             parts.append(f"{_rate(metrics['tokens_per_s'])} tok/s")
         if "mfu" in metrics:
-            parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
+            over = " (!)" if metrics["mfu"] > 1.0 else ""
+            parts.append(f"MFU {100 * metrics['mfu']:.1f}%{over}")
         if "data_wait" in metrics:
             parts.append(f"data-wait {100 * metrics['data_wait']:.1f}%")
         parts.append(f"ETA {format_duration(eta_s)}")
@@ -86,6 +101,14 @@ class Progress:
         elif metrics is not None:
             self.stream.write(self.line(step, self.last, eta_s) + "\n")
             self.stream.flush()
+
+    def note(self, text: str) -> None:
+        """A line of its own (a warning), below the status line when one is drawn."""
+        if self._drawn:
+            self.stream.write("\n")
+            self._drawn = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
 
     def close(self) -> None:
         if self._drawn:
@@ -137,8 +160,10 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def plot_loss(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> bool:
-    """Draw loss against step into ``path`` (PNG); False when there is nothing to draw."""
+    """Draw the training loss, and the held-out loss where there is one, against step
+    into ``path`` (PNG); False when there is nothing to draw."""
     points = [(r["step"], r["loss"]) for r in records if "loss" in r and "step" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r and "step" in r]
     if not points:
         return False
     import matplotlib
@@ -148,9 +173,13 @@ def plot_loss(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]
 
     steps, losses = zip(*points, strict=True)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(steps, losses, lw=1.5)
+    ax.plot(steps, losses, lw=1.5, label="training")
+    if evals:
+        eval_steps, eval_losses = zip(*evals, strict=True)
+        ax.plot(eval_steps, eval_losses, "o-", lw=1.5, ms=4, label="held-out")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/token)")
+    ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

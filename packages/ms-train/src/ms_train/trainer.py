@@ -51,12 +51,15 @@ from ms_data import Corpus, NodeLoader, PackedDataset, get_tokenizer
 from ms_optim import Lamb, lamb_param_groups
 from ms_train import _lock, _saves, _stop, report
 from ms_train._data_errors import damaged_data
+from ms_train._eval import HeldOutEval
+from ms_train._peak import Peak, PeakSource, measured_peak, over_peak_warning, table_peak
 from ms_train._preflight import preflight
 from ms_train._rng import RankRNG, seed_rank
+from ms_train._tensorboard import TensorBoardLog
 from ms_train.config import Config, ConfigError, OptimConfig
 from ms_train.demo import demo_corpus
 from ms_train.engine import DataParallelEngine, make_engine
-from ms_train.flops import matmul_peak_flops, model_flops_per_token
+from ms_train.flops import model_flops_per_token
 from ms_train.model import GPT
 from ms_train.schedule import lr_at
 
@@ -71,26 +74,42 @@ class RunSummary:
     Attributes:
         start_step: the step it started from (the checkpoint's, 0 for a fresh run).
         end_step: the step it reached.
-        losses: ``(step, loss)`` of each logged step of this run: the loss averaged over
-            the global batch and over the steps since the previous logged step.
+        final_loss: the training loss of the last logged step of this run (the loss of
+            ``loss_history[-1]``); NaN when this run trained no step.
+        loss_history: ``(step, loss)`` of each logged step of this run: the loss
+            averaged over the global batch and over the steps since the previous logged
+            step.
+        eval_loss: the held-out loss of this run's last evaluation (``train.eval_every``);
+            NaN when it made none.
+        eval_history: ``(step, held-out loss)`` of each evaluation of this run.
         tokens: tokens trained on by this run, all ranks.
         wall_s: seconds from the first step to the last, the first step excluded from
-            the rates (start-up and warm-up).
+            the rates (start-up and warm-up), evaluations excluded.
         tokens_per_s, mfu, data_wait: whole-job throughput after the first step, its
             model FLOPs over ``world_size x peak_flops``, and rank 0's share of step
             time spent waiting for data.
         peak_flops: the per-rank FLOP/s MFU is measured against.
+        peak_flops_source: where it came from: ``"given"`` (``peak_flops=``,
+            ``--peak-tflops``), ``"table"`` (the datasheet value of a known GPU in bf16)
+            or ``"measured"`` (the best of several matmul measurements at start); None
+            when this run trained nothing and needed no peak.
+        peak_flops_detail: how it was found (the device, or the measurements).
     """
 
     start_step: int
     end_step: int
-    losses: list[tuple[int, float]]
+    final_loss: float
+    loss_history: list[tuple[int, float]]
+    eval_loss: float
+    eval_history: list[tuple[int, float]]
     tokens: int
     wall_s: float
     tokens_per_s: float
     mfu: float
     data_wait: float
     peak_flops: float
+    peak_flops_source: PeakSource | None
+    peak_flops_detail: str
     world_size: int
     dp: int
     grad_accum: int
@@ -150,8 +169,9 @@ class Trainer:
         config: the run.
         engine: the data-parallel engine; default: ``parallel.engine`` from ``ENGINES``.
         stream: where rank 0 reports (default stdout); other ranks stay quiet.
-        peak_flops: per-rank FLOP/s for MFU; default: measured at start with back-to-back
-            matmuls on this device (``ms_train.flops.matmul_peak_flops``, about a second).
+        peak_flops: per-rank FLOP/s for MFU; default: the datasheet value of a known GPU
+            computing in bf16, else the best of five 0.2 s matmul measurements at start
+            on this device (``ms_train.flops.matmul_peak_flops``).
         job_id: names the node loader's shared memory; default: agreed among the ranks.
         loader: this rank's micro-batches instead of the ms-data ``NodeLoader`` over
             ``data.shards``: an iterator of int64 tensors of shape ``(data.micro_batch,
@@ -221,9 +241,16 @@ class Trainer:
         if loader is not None:
             if not callable(getattr(loader, "__next__", None)):
                 raise TypeError(f"loader must be an iterator, got {type(loader).__name__}")
+            if config.train.eval_every:
+                raise ConfigError(
+                    f"train.eval_every = {config.train.eval_every} evaluates on the held-out "
+                    "split of data.shards, and a loader given to the Trainer has none; set "
+                    "train.eval_every = 0"
+                )
             self.loader = loader
         else:
             self.loader = self._node_loader(job_id)
+        self.evaluator = self._held_out_eval() if config.train.eval_every else None
 
         self.model = GPT(m, device=self.device)
         self.engine = engine if engine is not None else make_engine(p.engine, self.device)
@@ -231,7 +258,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optim)
         self.checkpointer = Checkpointer(self.checkpoint_dir, keep_last=config.checkpoint.keep_last)
         self.flops_per_token = model_flops_per_token(m).total
-        self._peak_flops = peak_flops
+        self._peak: Peak | None = None
+        if peak_flops is not None:
+            self._peak = Peak(float(peak_flops), "given", "peak_flops= / --peak-tflops")
         self.step = 0
         self._rng_seeded = False  # a resume at another DP size seeded this rank's RNG
         self._stop: _stop.StopRequest | None = None
@@ -250,6 +279,7 @@ class Trainer:
             shuffle=c.data.shuffle,
             dp_rank=self.rank,
             dp_size=self.dp,
+            held_out=c.data.eval_fraction,
         )
         no_torchrun = os.environ.get("TORCHELASTIC_RUN_ID") is None
         if job_id is None and no_torchrun and self.local_world_size > 1:
@@ -263,6 +293,21 @@ class Trainer:
             local_world_size=self.local_world_size,
             depth=c.data.prefetch,
             job_id=job_id,
+        )
+
+    def _held_out_eval(self) -> HeldOutEval:
+        c = self.config
+        if self.dataset is None:
+            raise ConfigError("train.eval_every needs the ms-data loader's held-out split")
+        return HeldOutEval(
+            self.dataset,
+            batches=c.train.eval_batches,
+            global_batch=c.data.global_batch,
+            micro_batch=c.data.micro_batch,
+            dp_rank=self.rank,
+            dp_size=self.dp,
+            device=self.device,
+            group=dist.group.WORLD if dist.is_initialized() else None,
         )
 
     def _waits(self) -> tuple[float, float]:
@@ -306,16 +351,23 @@ class Trainer:
         waited, walled = self._waits()
         return waited / walled if walled > 0 else 0.0
 
+    def peak(self) -> Peak:
+        """The per-rank peak MFU is measured against, and its source (found once)."""
+        peak = self._peak
+        if peak is None:
+            found = None
+            if self.device.type == "cuda":
+                found = table_peak(torch.cuda.get_device_name(self.device), self.autocast_dtype)
+            if found is None and self.rank == 0:
+                size = 1024 if self.device.type == "cpu" else 8192
+                found = measured_peak(str(self.device), dtype=self.autocast_dtype, n=size)
+            # Every rank uses the same figure: rank 0's.
+            peak = self._peak = self._agree(found)
+        return peak
+
     def peak_flops(self) -> float:
-        """Per-rank FLOP/s MFU is measured against (measured once when not given)."""
-        if self._peak_flops is None:
-            size = 1024 if self.device.type == "cpu" else 8192
-            measured = matmul_peak_flops(
-                str(self.device), n=size, seconds=0.5, dtype=self.autocast_dtype
-            )
-            # Every rank uses the same figure: rank 0's measurement.
-            self._peak_flops = float(self._agree(measured))
-        return self._peak_flops
+        """Per-rank FLOP/s MFU is measured against (:meth:`peak`)."""
+        return self.peak().flops
 
     # ------------------------------------------------------------------ the loop
 
@@ -399,9 +451,17 @@ class Trainer:
             else None
         )
         progress = report.Progress(total_steps, start=start, stream=self.stream)
-        peak = self.peak_flops() if start < total_steps else (self._peak_flops or math.nan)
+        peak_of = self.peak() if start < total_steps else self._peak
+        peak = math.nan if peak_of is None else peak_of.flops
+        tensorboard = (
+            TensorBoardLog(self.out_dir / "tensorboard", purge_step=start)
+            if c.train.tensorboard and self.rank == 0
+            else None
+        )
+        warned = False  # an MFU over 100% is explained once, marked on every line
 
         losses: list[tuple[int, float]] = []
+        evals: list[tuple[int, float]] = []
         window_loss = torch.zeros((), device=self.device)
         group = dist.group.WORLD if self.world_size > 1 else None
         self.saves = _saves.Saves(
@@ -416,6 +476,10 @@ class Trainer:
             window_steps += 1
             window_loss += loss
             logged = done == start + 1 or done % c.train.log_every == 0 or done == total_steps
+            evaluating = bool(c.train.eval_every) and (
+                done % c.train.eval_every == 0 or done == total_steps
+            )
+            logged = logged or evaluating
             record: dict[str, float] | None = None
             if logged:
                 mean_loss = self._global_mean(window_loss / window_steps)
@@ -434,8 +498,21 @@ class Trainer:
                     "tokens": done * tokens_per_step,
                 }
                 losses.append((done, mean_loss))
+                if evaluating and self.evaluator is not None:
+                    t_eval = time.perf_counter()
+                    record["eval_loss"] = self.evaluator.loss(self.model, self._autocast)
+                    evals.append((done, record["eval_loss"]))
+                    spent = time.perf_counter() - t_eval  # not training time
+                    now += spent
+                    t_first += spent
                 if metrics is not None:
                     metrics.write(record)
+                if tensorboard is not None:
+                    tensorboard.write(record)
+                warning = over_peak_warning(record["mfu"], peak_of) if peak_of else None
+                if warning and not warned and self.rank == 0:
+                    progress.note(warning)
+                    warned = True
                 if done == start + 1:  # rates from here on leave out start-up
                     t_first = now
                 t_window, window_steps = now, 0
@@ -459,6 +536,8 @@ class Trainer:
         self.saves.finish(self._state)
         if metrics is not None:
             metrics.close()
+        if tensorboard is not None:
+            tensorboard.close()
 
         trained = max(0, total_steps - start)
         timed_steps = max(0, trained - 1)
@@ -467,13 +546,18 @@ class Trainer:
         summary = RunSummary(
             start_step=start,
             end_step=max(start, total_steps),
-            losses=losses,
+            final_loss=losses[-1][1] if losses else math.nan,
+            loss_history=losses,
+            eval_loss=evals[-1][1] if evals else math.nan,
+            eval_history=evals,
             tokens=trained * tokens_per_step,
             wall_s=wall,
             tokens_per_s=rate,
             mfu=rate * self.flops_per_token / (self.world_size * peak),
             data_wait=self.data_wait_fraction(),
             peak_flops=peak,
+            peak_flops_source=peak_of.source if peak_of else None,
+            peak_flops_detail=peak_of.detail if peak_of else "",
             world_size=self.world_size,
             dp=self.dp,
             grad_accum=self.grad_accum,
@@ -503,6 +587,11 @@ class Trainer:
             f"optimizer {c.optim.name}",
             f"  data: {self._describe_data()}",
         ]
+        if self.evaluator is not None:
+            lines.append(
+                f"  eval: every {c.train.eval_every} steps and at the end, on "
+                f"{self.evaluator.describe()}"
+            )
         if start >= c.train.steps:
             lines.append(
                 f"  checkpoint: step {start} under {self.checkpoint_dir} already reaches "
@@ -581,6 +670,7 @@ class Trainer:
 
         first = records[0]["loss"] if records else math.nan
         last = records[-1]["loss"] if records else math.nan
+        evals = [r for r in records if "eval_loss" in r]
         rows = [
             ("steps", f"{s.start_step} -> {s.end_step} (this run: {s.end_step - s.start_step})"),
             (
@@ -590,15 +680,16 @@ class Trainer:
                 if records
                 else "n/a",
             ),
+            *(
+                [("held-out loss", f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})")]
+                if evals
+                else []
+            ),
             ("tokens (this run)", f"{s.tokens:,}"),
             ("wall time", report.format_duration(s.wall_s)),
             ("throughput", f"{num(s.tokens_per_s, ',.0f')} tokens/s"),
-            (
-                "MFU",
-                f"{100 * s.mfu:.1f}% of {s.peak_flops / 1e9:,.1f} GFLOP/s per rank"
-                if math.isfinite(s.mfu)
-                else "n/a",
-            ),
+            ("MFU", report.format_mfu(s.mfu, s.peak_flops, s.peak_flops_source)),
+            *([("peak", s.peak_flops_detail)] if s.peak_flops_source else []),
             ("data wait", f"{100 * s.data_wait:.1f}% of step time"),
             ("checkpoints", s.checkpoint_dir),
         ]
