@@ -1,5 +1,7 @@
 # The README's two commands: `make run` (the ms-train demo) and `make test` (everything CI
 # checks). Both create the virtual environment and install the workspace when needed.
+# `make dist` builds every package's wheel and sdist into dist/, for
+# `pip install --find-links dist ms-train` in any environment.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,8 +10,11 @@ PACKAGES := $(sort $(wildcard packages/*))
 STAMP := $(VENV)/.ms-installed
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-m 'not slow'"`.
 PYTEST_ARGS ?=
+# Where `make dist` puts the wheels and sdists; it empties the folder first.
+DIST ?= dist
+BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest test-one bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train clean
+.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -18,6 +23,25 @@ $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pypr
 	$(BIN)/python -m pip install --quiet -c requirements/dev.txt --no-build-isolation \
 		-e tools/ms-testing $(addprefix -e ,$(PACKAGES))
 	@touch $@
+
+# Building needs only the pinned setuptools, not the workspace and its torch.
+$(BUILD_STAMP): requirements/dev.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -c requirements/dev.txt setuptools
+	@touch $@
+
+# One wheel and one sdist per package, built from this tree without build isolation, so
+# nothing but PyPI (for setuptools) is reached. setuptools builds in each package's
+# build/ folder and would carry a module deleted since the last build into the wheel.
+dist: $(BUILD_STAMP)
+	rm -rf $(DIST) $(addsuffix /build,$(PACKAGES))
+	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir $(DIST) $(PACKAGES)
+	for p in $(PACKAGES); do \
+		(cd $$p && $(abspath $(BIN))/python -c \
+			'import sys; from setuptools import build_meta; build_meta.build_sdist(sys.argv[1])' \
+			$(abspath $(DIST))) >/dev/null || exit 1; \
+	done
+	@ls -1 $(DIST)
 
 # The demo: the tiny preset on 2 data-parallel CPU ranks (docs in packages/ms-train).
 # More options through RUN_ARGS, e.g. make run RUN_ARGS="--set train.steps=1200".
@@ -75,4 +99,4 @@ bench-kernels-gpu: $(STAMP)
 	$(BIN)/python tools/bench/kernels/gpu_kernels.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(DIST) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -6,31 +6,22 @@ siblings as version ranges, never exact pins.
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from _workspace import LEAVES, PACKAGES, ROOT, module_name, pyproject
+from _workspace import (
+    LEAVES,
+    MS_MODULES,
+    ROOT,
+    imported_siblings,
+    module_name,
+    ms_imports,
+    pyproject,
+)
 from packaging.requirements import Requirement
-
-MS_MODULES = {module_name(p) for p in PACKAGES}
-
-
-def ms_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) for every import of an ms package in a source file."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        found += [(node.lineno, n) for n in names if n.split(".")[0] in MS_MODULES]
-    return found
 
 
 def test_the_import_scan_sees_every_import_form(tmp_path: Path) -> None:
@@ -66,10 +57,28 @@ def test_leaf_declares_no_ms_requirement(leaf: str) -> None:
     assert not ms, f"{leaf} requires other ms packages: {ms}"
 
 
-def test_ms_train_requires_every_leaf_as_a_range() -> None:
-    requirements = [Requirement(r) for r in pyproject("ms-train")["project"]["dependencies"]]
-    siblings = {r.name: r for r in requirements if r.name.startswith("ms-")}
-    assert sorted(siblings) == sorted(LEAVES)
+def _sibling_requirements(requirements: list[str]) -> dict[str, Requirement]:
+    parsed = [Requirement(r) for r in requirements]
+    return {r.name: r for r in parsed if r.name.startswith("ms-")}
+
+
+def test_ms_train_requires_exactly_the_siblings_it_imports_as_ranges() -> None:
+    # A sibling ms-train does not import would only make installing harder: before
+    # this rule, `pip install ms-train` also needed the empty ms-parallel and ms-health.
+    imported = set(imported_siblings())
+    assert imported, "the import scan found no sibling in ms-train's source"
+    project = pyproject("ms-train")["project"]
+    siblings = _sibling_requirements(project["dependencies"])
+    assert sorted(siblings) == sorted(imported), (
+        f"ms-train requires {sorted(siblings)} but imports {sorted(imported)}"
+    )
+    for extra, requirements in project.get("optional-dependencies", {}).items():
+        extra_siblings = _sibling_requirements(requirements)
+        assert set(extra_siblings) <= imported, (
+            f"ms-train[{extra}] requires {sorted(set(extra_siblings) - imported)}, "
+            "which ms-train does not import"
+        )
+        siblings.update({f"{name} (extra {extra})": r for name, r in extra_siblings.items()})
     for name, requirement in siblings.items():
         operators = {spec.operator for spec in requirement.specifier}
         assert operators, f"ms-train requires {name} with no version range"
