@@ -100,6 +100,7 @@ def _config(corpus: Path, out: Path, *extra: str) -> Config:
         "model.n_layers=1",
         "model.n_heads=2",
         "model.seq_len=32",
+        "model.window=16",
         "data.micro_batch=4",
         "data.global_batch=4",
         "optim.warmup_steps=1",

@@ -43,6 +43,7 @@ def test_a_run_on_a_hugging_face_tokenizer_samples_text(tmp_path: Path) -> None:
         "model.n_layers=1",
         "model.n_heads=2",
         "model.seq_len=32",
+        "model.window=16",
         "data.micro_batch=4",
         "data.global_batch=4",
         f"data.shards={shards}",

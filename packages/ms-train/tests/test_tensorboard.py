@@ -34,6 +34,7 @@ def _overrides(corpus: Path, out: Path, *extra: str) -> list[str]:
         "model.n_layers=1",
         "model.n_heads=2",
         "model.seq_len=32",
+        "model.window=16",
         "data.micro_batch=4",
         "data.global_batch=4",
         "data.eval_fraction=0.5",  # one of the two documents
