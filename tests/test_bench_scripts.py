@@ -145,3 +145,22 @@ def test_train_throughput_smoke_writes_ratio_and_mfu(tmp_path: Path) -> None:
         assert record[key] == pytest.approx(flops / rate["best"], rel=1e-12), key
     assert record["losses_match"], record["loss_max_rel_diff"]
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "train_throughput.json"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(280)
+def test_kill_soak_smoke_kills_once_and_finds_nothing_left(tmp_path: Path) -> None:
+    """One 2-rank ms-train job SIGKILLed as a process group at a random moment, then
+    rerun: the script itself fails (exit 1) if a process or /dev/shm segment of the job
+    outlives the kill, a rank trains on after it, or the rerun's losses differ from an
+    uninterrupted run's."""
+    out = tmp_path / "kill_soak.json"
+    proc = _run_bench("train/kill_soak.py", "--smoke", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["smoke"] is True
+    assert record["processes_left"] == 0 and record["steps_logged_after_kill"] == 0
+    assert record["segments_left_after_kill"] == 0 and record["segments_left_after_trial"] == 0
+    assert record["runs_with_other_losses_or_unfinished"] == 0
+    (trial,) = record["trials"]
+    assert trial["finished"] and trial["exit"] == 0
