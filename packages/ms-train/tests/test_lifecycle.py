@@ -19,6 +19,7 @@ import pytest
 
 from ms_data import build_shards
 from ms_data.build import BuildConfig
+from ms_testing.train import write_train_config
 from ms_train.report import read_metrics
 
 HERE = Path(__file__).parent
@@ -47,35 +48,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _write_config(path: Path, corpus: Path, out: Path, every: int, steps: int = STEPS) -> Path:
-    path.write_text(
-        f"""
-[model]
-vocab_size = 257
-d_model = 64
-n_layers = 2
-n_heads = 2
-seq_len = 64
-window = 32
-
-[data]
-shards = "{corpus}"
-micro_batch = 8
-global_batch = 16
-
-[optim]
-warmup_steps = 3
-
-[train]
-steps = {steps}
-out_dir = "{out}"
-log_every = 1
-sample_tokens = 0
-
-[checkpoint]
-every = {every}
-"""
-    )
-    return path
+    return write_train_config(path, shards=corpus, out_dir=out, steps=steps, every=every)
 
 
 def _env() -> dict[str, str]:

@@ -20,6 +20,7 @@ import pytest
 from ms_data import build_shards
 from ms_data.build import BuildConfig
 from ms_testing.dist import run_ranks
+from ms_testing.train import write_train_config
 from ms_train._lock import LOCK_NAME, RunLockedError, lock_run
 from ms_train.config import ConfigError, load_config
 from ms_train.errors import JobError
@@ -43,37 +44,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _toml(path: Path, corpus: Path, out: Path, *, steps: int, ckpt: Path | None = None) -> Path:
-    ckpt_line = "" if ckpt is None else f'dir = "{ckpt}"'
-    path.write_text(
-        f"""
-[model]
-vocab_size = 257
-d_model = 32
-n_layers = 2
-n_heads = 2
-seq_len = 32
-window = 16
-
-[data]
-shards = "{corpus}"
-micro_batch = 4
-global_batch = 8
-
-[optim]
-warmup_steps = 3
-
-[train]
-steps = {steps}
-out_dir = "{out}"
-log_every = 1
-sample_tokens = 0
-
-[checkpoint]
-every = 20
-{ckpt_line}
-"""
+    return write_train_config(
+        path, shards=corpus, out_dir=out, steps=steps, every=20, width=32, checkpoint_dir=ckpt
     )
-    return path
 
 
 def _cli(config: Path) -> list[str]:

@@ -22,6 +22,7 @@ from torch import nn
 from ms_data import build_shards
 from ms_data.build import BuildConfig
 from ms_testing.dist import run_ranks
+from ms_testing.train import write_train_config
 from ms_train.config import Config, ConfigError, load_config
 from ms_train.engine import DDPEngine, make_engine
 from ms_train.report import MetricsLog, read_metrics
@@ -100,34 +101,7 @@ def _cli(config_file: Path, *args: str) -> list[str]:
 
 
 def _write_toml(path: Path, corpus: Path, out: Path, steps: int, every: int) -> None:
-    path.write_text(
-        f"""
-[model]
-vocab_size = 257
-d_model = 64
-n_layers = 2
-n_heads = 2
-seq_len = 64
-window = 32
-
-[data]
-shards = "{corpus}"
-micro_batch = 8
-global_batch = 16
-
-[optim]
-warmup_steps = 3
-
-[train]
-steps = {steps}
-out_dir = "{out}"
-log_every = 1
-sample_tokens = 0
-
-[checkpoint]
-every = {every}
-"""
-    )
+    write_train_config(path, shards=corpus, out_dir=out, steps=steps, every=every)
 
 
 def _train_2_ranks(config_file: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

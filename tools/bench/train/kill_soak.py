@@ -65,6 +65,7 @@ from ms_data import build_shards
 from ms_data.build import BuildConfig
 from ms_testing.bench import machine_info
 from ms_testing.jobs import shm_segments, tag_env, tagged_processes, wait_gone
+from ms_testing.train import write_train_config
 from ms_train.report import read_metrics
 
 START_TIMEOUT_S = 180.0  # a start that logs no step by then counts as a failed run
@@ -72,34 +73,7 @@ RUN_TIMEOUT_S = 600.0
 
 
 def write_config(path: Path, shards: Path, out: Path, steps: int, every: int) -> None:
-    path.write_text(
-        f"""
-[model]
-vocab_size = 257
-d_model = 64
-n_layers = 2
-n_heads = 2
-seq_len = 64
-window = 32
-
-[data]
-shards = {json.dumps(str(shards))}
-micro_batch = 8
-global_batch = 16
-
-[optim]
-warmup_steps = 3
-
-[train]
-steps = {steps}
-log_every = 1
-sample_tokens = 0
-out_dir = {json.dumps(str(out))}
-
-[checkpoint]
-every = {every}
-"""
-    )
+    write_train_config(path, shards=shards, out_dir=out, steps=steps, every=every)
 
 
 def command(config: Path, nproc: int) -> list[str]:
