@@ -20,6 +20,7 @@ import pytest
 from ms_data import build_shards
 from ms_data.build import BuildConfig
 from ms_testing.train import write_train_config
+from ms_train._lock import lock_run
 from ms_train.report import read_metrics
 
 HERE = Path(__file__).parent
@@ -310,15 +311,22 @@ def test_a_second_signal_stops_at_once(corpus: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_job_error_on_the_ranks_is_printed_once(corpus: Path, tmp_path: Path) -> None:
-    """Both ranks raise the same ConfigError: one line naming a rank, exit 2, as one
-    process would."""
-    config = _write_config(tmp_path / "c.toml", corpus, tmp_path / "out", every=10)
-    done = _run(*_cli(config, "--set", "model.vocab_size=100"))
+    """Both ranks raise the same JobError, which only the ranks can meet (preflight in
+    the launcher passes: the out dir is writable; the ranks then find it locked by
+    another run): one line naming a rank, exit 2, as one process would."""
+    out = tmp_path / "out"
+    out.mkdir()
+    config = _write_config(tmp_path / "c.toml", corpus, out, every=10)
+    held = lock_run([("train.out_dir", str(out))], log=print, command=["another run"])
+    try:
+        done = _run(*_cli(config))
+    finally:
+        held.release()
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stdout == ""
     assert re.fullmatch(
-        r"ms-train: error: \[rank [01]\] model\.vocab_size \(100\) is smaller than the "
-        r"tokenizer's vocabulary \(257, data\.tokenizer = 'bytes'\)\n",
+        rf"ms-train: error: \[rank [01]\] train\.out_dir {re.escape(str(out))} is in use by "
+        rf"another run \(pid {os.getpid()} on host .*\n",
         done.stderr,
     ), done.stderr
 

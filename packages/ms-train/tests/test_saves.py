@@ -94,7 +94,7 @@ def test_failed_saves_are_logged_and_counted_and_training_goes_on(
     log = stream.getvalue()
     assert summary.end_step == 12
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 13))
-    warnings = [line for line in log.splitlines() if line.startswith("ms-train: warning:")]
+    warnings = [line for line in log.splitlines() if line.startswith("ms-train: warning: saving")]
     assert len(warnings) == 4, log
     assert warnings[0].startswith(f"ms-train: warning: saving step 4 failed in stage 2: {ENOSPC}")
     assert (
@@ -165,7 +165,8 @@ def test_every_rank_counts_a_save_that_failed_on_one_rank(corpus: Path, tmp_path
     config = _config(corpus, out, "checkpoint.max_failures=2", "data.micro_batch=4")
     results = run_ranks(_train_rank, 2, args=(config,), timeout=150, env={"OMP_NUM_THREADS": "1"})
     assert [failures for failures, _ in results] == [1, 1]
-    (warning,) = [s for s in results[0][1].splitlines() if s.startswith("ms-train: warning:")]
+    lines = results[0][1].splitlines()
+    (warning,) = [s for s in lines if s.startswith("ms-train: warning: saving")]
     assert "saving step 4 failed in stage 2: rank 1 failed to write its part" in warning
     assert results[1][1] == ""  # rank 1 reports nothing itself
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 13))
