@@ -187,9 +187,11 @@ def trial(
             kills.append({"finished_before_kill": True})
             break
         phase = save_phase(out / "ckpt")
-        reached = max(steps_logged(out), default=0)
         os.killpg(job.pid, signal.SIGKILL)
         t_kill = time.monotonic()
+        # Read right after the kill: a step logged later was trained by a rank that
+        # outlived it (read before the kill, a step finishing meanwhile would count).
+        reached = max(steps_logged(out), default=0)
         job.wait(timeout=30)
         survivors = wait_gone(tag, args.settle)
         # A rank that outlived the kill goes on training: its steps land in the log.

@@ -7,9 +7,9 @@ rank 0's ``sys.path``, then the ``ReaderArgs``, then the pickled dataset. It run
 local rank 0 asks it to stop, or until a process it serves is gone:
 
 - local rank 0 (its parent) died: it unlinks the segment (no one else will) and exits;
-- another attached local rank died: it records the fact as its failure and exits,
-  so that the ranks still alive raise instead of waiting for a step that can never
-  be freed.
+- another attached local rank died: it records the fact as its failure, so that the
+  ranks still alive raise instead of waiting for a step that can never be freed, and
+  stays until local rank 0 stops it or dies (then it unlinks the segment).
 
 A failure while reading or packing (a corrupt shard) is recorded in the header with
 the step it happened at, the message and the pickled exception; each rank raises it
@@ -109,10 +109,21 @@ def reader_main(args: ReaderArgs, dataset_pickle: bytes) -> None:
         ring.fail(reader.step, text, e)
         code = 1
     finally:
+        if code:
+            _await_owner(ring, args.parent_pid)
         if os.getppid() != args.parent_pid:
             ring.unlink()
         ring.close()
     sys.exit(code)
+
+
+def _await_owner(ring: ShmRing, parent_pid: int) -> None:
+    """After a failure, stay until local rank 0 stops this reader or dies: whichever
+    comes, the segment gets unlinked, by rank 0 or by this process. Leaving at once
+    forfeits that: when the whole node is killed, another rank is often seen dead a few
+    milliseconds before rank 0 is, and nobody would be left to unlink."""
+    while not ring.stop_requested and os.getppid() == parent_pid:
+        time.sleep(_LIVENESS_EVERY_S)
 
 
 class _Reader:

@@ -553,17 +553,18 @@ def _shutdown(ring: ShmRing, reader: subprocess.Popen[bytes], owner: int, fast: 
     if os.getpid() != owner:
         return
     ring.request_stop()
+    # The name goes first (every process that uses the ring has it mapped by now): a
+    # kill of this process while it waits for the reader then leaves nothing behind.
+    ring.unlink()
     if fast:
         if reader.poll() is None:
             reader.kill()  # it ignores SIGTERM (see _BOOTSTRAP)
-        ring.unlink()
         return
     try:
         reader.wait(_READER_EXIT_S)
     except subprocess.TimeoutExpired:
         reader.kill()
         reader.wait()
-    ring.unlink()
     ring.close()
 
 
