@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 DIST ?= dist
 BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train clean
+.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -93,6 +93,10 @@ bench-ckpt: $(STAMP)
 
 bench-train: $(STAMP)
 	$(BIN)/python tools/bench/train/throughput.py --reps 8
+
+# Random SIGKILLs of a 2-rank job across saves, reruns, leftovers (issue 14's soak).
+bench-kill-soak: $(STAMP)
+	$(BIN)/python tools/bench/train/kill_soak.py --trials 12 --kills 2
 
 # Without a CUDA device this prints "no CUDA device" and exits 0, measuring nothing.
 bench-kernels-gpu: $(STAMP)

@@ -159,7 +159,7 @@ def test_kill_soak_smoke_kills_once_and_finds_nothing_left(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["smoke"] is True
-    assert record["processes_left"] == 0 and record["steps_logged_after_kill"] == 0
+    assert record["processes_left"] == 0 and record["steps_trained_after_kill"] == 0
     assert record["segments_left_after_kill"] == 0 and record["segments_left_after_trial"] == 0
     assert record["runs_with_other_losses_or_unfinished"] == 0
     (trial,) = record["trials"]
