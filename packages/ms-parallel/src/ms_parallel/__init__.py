@@ -1,9 +1,11 @@
 """ZeRO data parallel with overlap, tensor/sequence parallel with chunked collective matmul,
 interleaved 1F1B pipeline with decoupled async p2p.
 
-Nothing public ships yet; see README.md for what this package will hold.
+Built on ``torch.distributed``: process groups, ``DeviceMesh`` and ``DTensor``.
 """
 
 from ms_parallel._version import __version__
+from ms_parallel._wait import CollectiveTimeout
+from ms_parallel.zero import ZeroDataParallel, default_chunks
 
-__all__ = ["__version__"]
+__all__ = ["CollectiveTimeout", "ZeroDataParallel", "__version__", "default_chunks"]

@@ -1,0 +1,66 @@
+"""Bounded waits on collectives: a peer that stops participating is an error that
+names the operation, never a silent hang."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["CollectiveTimeout", "describe_group", "wait_bounded"]
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within its timeout.
+
+    Attributes:
+        op: the collective, e.g. ``"all_gather"``.
+        group: the process group's name and ranks.
+        rank: this process's global rank.
+        where: what the collective was for, e.g. ``"chunk 3, bucket 5"``.
+        timeout_s: the bound that passed.
+    """
+
+    def __init__(self, op: str, group: str, rank: int, where: str, timeout_s: float) -> None:
+        self.op = op
+        self.group = group
+        self.rank = rank
+        self.where = where
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"{op} ({where}) on process group {group} did not complete within "
+            f"{timeout_s:g} s on rank {rank}: a peer in the group stopped participating "
+            "(crashed, hung, or took another code path)"
+        )
+
+
+def describe_group(group: dist.ProcessGroup) -> str:
+    """A group's name and its global ranks, for error messages."""
+    try:
+        name = str(group.group_name)
+    except (RuntimeError, AttributeError):
+        name = "?"
+    try:
+        ranks: list[object] = list(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError):
+        return repr(name)
+    shown = ranks if len(ranks) <= 8 else [*ranks[:4], "...", *ranks[-2:]]
+    return f"{name!r} (ranks {', '.join(map(str, shown))})"
+
+
+def wait_bounded(
+    work: dist.Work, *, op: str, group: dist.ProcessGroup, where: str, timeout_s: float
+) -> None:
+    """``work.wait()`` that raises :class:`CollectiveTimeout` after ``timeout_s``.
+
+    gloo honours ``wait(timeout)``; NCCL's watchdog also aborts at the group's own
+    timeout, which should not be shorter than this one.
+    """
+    try:
+        done = work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise CollectiveTimeout(op, describe_group(group), dist.get_rank(), where, timeout_s) from e
+    if done is False:
+        raise CollectiveTimeout(op, describe_group(group), dist.get_rank(), where, timeout_s)

@@ -1,0 +1,576 @@
+"""ZeRO-2 data parallelism whose communication overlaps compute (MegaScale section 3.3).
+
+Full parameters stay in memory on every rank; gradients are reduce-scattered and each
+rank's optimizer updates only its shard of every bucket. The step's communication:
+
+- backward: a bucket's reduce-scatter is issued the moment its last gradient is
+  accumulated, in the order compute produces them, and waited at the end of backward;
+- optimizer step: each rank updates its shard in place;
+- forward of the next step: the all-gather of the updated shards is deferred to just
+  before each chunk runs. The first chunk's is issued when the optimizer step ends (so
+  it overlaps data loading); chunk k's forward issues chunk k + 1's before it waits for
+  its own (chained prefetch), so every gather after the first hides behind a chunk of
+  compute.
+
+Buffers are flat and bucketed, and a parameter's ``.data`` and ``.grad`` are views into
+them, so nothing is copied on the way to a collective (the layout is in ``_layout``).
+Under :meth:`no_sync` backward only accumulates: nothing is communicated until the
+last micro-batch of an accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.hooks import RemovableHandle
+
+from ms_parallel._layout import BucketLayout, plan_buckets, shard_size
+from ms_parallel._wait import wait_bounded
+
+__all__ = ["ZeroDataParallel", "default_chunks"]
+
+#: ``on_event(name, kind, t, **attrs)``: see ``ms_parallel.events``.
+EventHook = Callable[..., None]
+
+# torch 2.13 renamed the flat collectives (the old names warn); older torch has only those.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Bucket states across a step. FRESH: the full parameters are valid. STALE: the
+# optimizer updated this rank's shard and the others are behind. GATHERING: the
+# all-gather is in flight; nobody may read the buffer until it is waited.
+_FRESH, _STALE, _GATHERING = "fresh", "stale", "gathering"
+
+
+class _Bucket:
+    """One bucket's buffers, local views and in-flight work."""
+
+    def __init__(
+        self,
+        layout: BucketLayout,
+        world: int,
+        rank: int,
+        device: torch.device,
+        grad_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+    ) -> None:
+        self.layout = layout
+        n_pad = layout.padded(world)
+        self.shard = shard_size(layout.numel, world)
+        self.lo = rank * self.shard  # this rank's part of the padded buffer
+        self.data = torch.zeros(n_pad, dtype=layout.dtype, device=device)
+        self.grad = torch.zeros(n_pad, dtype=grad_dtype, device=device)
+        # The reduce-scatter's input when it runs in another dtype than the gradients.
+        self.send: torch.Tensor | None = None
+        self.reduce_dtype = reduce_dtype
+        self.grad_shard = torch.zeros(self.shard, dtype=reduce_dtype, device=device)
+        # The optimizer's view of this rank's gradient shard, in the parameters' dtype.
+        self.opt_grad = (
+            self.grad_shard
+            if reduce_dtype == layout.dtype
+            else torch.zeros(self.shard, dtype=layout.dtype, device=device)
+        )
+        self.state = _FRESH
+        self.gather: dist.Work | None = None
+        self.reduce: dist.Work | None = None
+        self.ready = 0  # gradients accumulated in the current backward
+        self.reduced = False  # its reduce-scatter was issued in the current window
+        # (slot, lo, hi, view of data, view of opt_grad): this rank's slices.
+        self.local: list[tuple[Any, int, int, torch.Tensor, torch.Tensor]] = []
+
+
+class ZeroDataParallel(nn.Module):
+    """Wrap ``module`` for ZeRO-2 data parallelism over ``group``.
+
+    Args:
+        module: any ``nn.Module``; its parameters are moved into flat buffers (their
+            ``.data`` becomes a view), so optimizers must be built on this wrapper's
+            shard views (:meth:`optimizer_param_groups`), not on the parameters.
+        group: the data-parallel group: a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
+        chunks: the units gathered before their forward, in the order forward runs
+            them; each a module or a list of modules. Default: :func:`default_chunks`.
+        bucket_mb: the cap of a flat bucket in MiB (a larger parameter gets its own).
+        reduce_dtype: the dtype gradients are reduce-scattered in, e.g.
+            ``torch.float32`` for bf16 parameters; default: the parameters' dtype.
+            Another dtype than the parameters' also accumulates micro-batches in it.
+        prefetch: issue chunk k + 1's all-gather before chunk k computes (default);
+            ``False`` waits each chunk's all-gather right after issuing it, and each
+            reduce-scatter right after issuing it (the serialized baseline).
+        timeout_s: every wait on a collective is bounded by this; a peer that stops
+            participating raises :class:`ms_parallel.CollectiveTimeout`.
+        on_event: ``on_event(name, kind, t, **attrs)`` called at each collective's
+            issue and wait and each chunk's forward (``ms_parallel.events``).
+        broadcast_from: the group rank whose initial parameters every rank starts from.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | DeviceMesh,
+        *,
+        chunks: Sequence[nn.Module | Sequence[nn.Module]] | None = None,
+        bucket_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+        prefetch: bool = True,
+        timeout_s: float = 600.0,
+        on_event: EventHook | None = None,
+        broadcast_from: int = 0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        self.mesh, self.group = _resolve_group(group)
+        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+        if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
+            raise TypeError(f"reduce_dtype must be a torch.dtype or None, got {reduce_dtype!r}")
+        self.module = module
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        if not 0 <= broadcast_from < self.world:
+            raise ValueError(
+                f"broadcast_from must be a rank in [0, {self.world}), got {broadcast_from!r}"
+            )
+        self.prefetch = bool(prefetch)
+        self.timeout_s = float(timeout_s)
+        self.on_event = on_event
+        self._named = _unique_named_parameters(module)
+        self._chunks = _resolve_chunks(module, chunks, self._named)
+        layouts = plan_buckets(
+            self._chunks, self._named, bucket_bytes=max(1, int(bucket_mb * 2**20))
+        )
+        params = [p for _, p in self._named]
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"module's parameters must be on one device, found {devices}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.buckets = [
+            _Bucket(
+                lay,
+                self.world,
+                self.rank,
+                self.device,
+                grad_dtype=reduce_dtype or lay.dtype,
+                reduce_dtype=reduce_dtype or lay.dtype,
+            )
+            for lay in layouts
+        ]
+        self._by_chunk: list[list[_Bucket]] = [[] for _ in self._chunks]
+        for b in self.buckets:
+            self._by_chunk[b.layout.chunk].append(b)
+        self._params = params
+        self._leftovers = bool(self._chunks) and isinstance(self._chunks[0][0], _Leftovers)
+        self._bucket_of: dict[int, tuple[_Bucket, int, int]] = {}
+        with torch.no_grad():
+            for b in self.buckets:
+                for s in b.layout.slots:
+                    p = params[s.index]
+                    b.data[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
+                    self._bucket_of[id(p)] = (b, s.offset, s.numel)
+            src = dist.get_global_rank(self.group, broadcast_from)
+            for b in self.buckets:  # every rank starts from the same weights, as DDP does
+                dist.broadcast(b.data, src=src, group=self.group)
+            for b in self.buckets:
+                for s in b.layout.slots:
+                    params[s.index].data = b.data[s.offset : s.offset + s.numel].view(s.shape)
+                for s, lo, hi in b.layout.overlaps(self.rank, self.world):
+                    a, z = s.offset + lo - b.lo, s.offset + hi - b.lo
+                    view = b.data[b.lo + a : b.lo + z]
+                    b.local.append((s, lo, hi, view, b.opt_grad[a:z]))
+        self._sync = True  # False inside no_sync(): backward only accumulates
+        self._window_open = False  # gradients accumulated since the last reduction
+        self._backward_queued = False
+        self._synced_since_step = False
+        self._optimizers: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle] = []
+        for p in params:
+            if p.requires_grad:
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(self._grad_ready)  # type: ignore[no-untyped-call]
+                )
+        for k, modules in enumerate(self._chunks):
+            if k == 0 and self._leftovers:
+                continue
+            for j, m in enumerate(modules):
+                self._handles.append(m.register_forward_pre_hook(self._pre_forward(k, j)))
+                if j == len(modules) - 1:
+                    self._handles.append(m.register_forward_hook(self._post_forward(k)))
+
+    # -- public surface ------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and not self._window_open:
+            self._open_window()
+        if self._chunks:
+            self._issue_gather(0)
+            if self._leftovers:  # no module of its own runs: the root's forward is its
+                self._pre_forward(0, 0)(self, args)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients; the first backward
+        outside reduces everything accumulated (DDP's ``no_sync``)."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    def optimizer_param_groups(
+        self, param_groups: Sequence[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """``param_groups`` (dicts whose ``"params"`` are the module's parameters; default:
+        one group of all) with each parameter replaced by this rank's 1-D shard view of
+        it. Parameters of which this rank holds nothing are left out of its groups.
+        Build the optimizer on the result and pass it to :meth:`attach_optimizer`."""
+        if param_groups is None:
+            param_groups = [{"params": [p for p in self._params if p.requires_grad]}]
+        local = self._local_views()
+        out, seen = [], set()
+        for i, g in enumerate(param_groups):
+            if not isinstance(g, dict) or "params" not in g:
+                raise TypeError(f"param_groups[{i}] must be a dict with 'params', got {g!r}")
+            views = []
+            for p in g["params"]:
+                if id(p) not in self._bucket_of:
+                    raise ValueError(
+                        f"param_groups[{i}] holds a tensor of shape {tuple(p.shape)} that is "
+                        "not a trainable parameter of the wrapped module"
+                    )
+                if id(p) in seen:
+                    raise ValueError(f"param_groups[{i}] repeats a parameter of another group")
+                seen.add(id(p))
+                views.extend(local.get(id(p), []))
+            out.append({**g, "params": views})
+        missing = [n for n, p in self._named if p.requires_grad and id(p) not in seen]
+        if missing:
+            raise ValueError(
+                f"param_groups must hold every trainable parameter; missing {missing[:3]}"
+            )
+        return out
+
+    def shard_param_ids(self, optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+        """For each tensor of ``optimizer`` (group after group), the index of the
+        logical parameter it is a slice of (see :attr:`param_numels`): what a
+        ZeRO-aware optimizer such as ms-optim's LAMB needs to complete its norms."""
+        slice_of = {id(v): s.index for b in self.buckets for s, _, _, v, _ in b.local}
+        out = []
+        for g in optimizer.param_groups:
+            for t in g["params"]:
+                if id(t) not in slice_of:
+                    raise ValueError(
+                        "optimizer holds a tensor that is not one of this "
+                        "wrapper's shard views (build it on optimizer_param_groups)"
+                    )
+                out.append(slice_of[id(t)])
+        return tuple(out)
+
+    @property
+    def param_numels(self) -> tuple[int, ...]:
+        """Element count of every parameter, in ``named_parameters()`` order."""
+        return tuple(p.numel() for p in self._params)
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self._named)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Hook ``optimizer`` so its step happens on reduced gradients and is followed by
+        the deferred all-gather. Returns it."""
+        owned = {id(v) for b in self.buckets for *_, v, _ in b.local}
+        for g in optimizer.param_groups:
+            for t in g["params"]:
+                if id(t) not in owned:
+                    raise ValueError(
+                        "optimizer holds a tensor that is not one of this "
+                        "wrapper's shard views (build it on optimizer_param_groups)"
+                    )
+        self._optimizers.append(optimizer.register_step_pre_hook(self._before_step))
+        self._optimizers.append(optimizer.register_step_post_hook(self._after_step))
+        return optimizer
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient shards (one per bucket), e.g. for a norm."""
+        return [b.opt_grad[: max(0, min(b.shard, b.layout.numel - b.lo))] for b in self.buckets]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the reduced gradients to a global norm of ``max_norm`` over the group,
+        each element counted once; returns the norm before clipping."""
+        norm = self.grad_norm()
+        if max_norm < float("inf"):
+            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in self.shard_grads():
+                g.mul_(scale.to(g.dtype))
+        return norm
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the reduced gradients (collective over the group)."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in self.shard_grads():
+            sq += g.float().pow(2).sum()
+        dist.all_reduce(sq, group=self.group)
+        return sq.sqrt()
+
+    def gather_params(self) -> None:
+        """Make the full parameters valid now (blocking): before a checkpoint of the
+        model, or an evaluation outside forward hooks."""
+        for k in range(len(self._chunks)):
+            self._issue_gather(k)
+        for k in range(len(self._chunks)):
+            self._wait_gather(k)
+
+    # -- hooks ---------------------------------------------------------------------
+
+    def _pre_forward(self, k: int, j: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if j == 0 and self.prefetch and k + 1 < len(self._chunks):
+                self._issue_gather(k + 1)
+            self._wait_gather(k)
+            if j == 0:
+                self._emit("chunk", "compute_begin", chunk=k)
+
+        return hook
+
+    def _post_forward(self, k: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._emit("chunk", "compute_end", chunk=k)
+
+        return hook
+
+    def _open_window(self) -> None:
+        """Start accumulating a step's gradients: zero the buffers and point every
+        parameter's ``.grad`` at them (a user's ``zero_grad(set_to_none=True)`` on the
+        module dropped the views)."""
+        for b in self.buckets:
+            if b.reduce is not None:  # never reuse a buffer before its collective's wait
+                raise RuntimeError("internal: a reduce-scatter is still in flight")
+            b.grad.zero_()
+            b.ready = 0
+            b.reduced = False
+            if b.grad.dtype == b.layout.dtype:
+                for s in b.layout.slots:
+                    self._params[s.index].grad = b.grad[s.offset : s.offset + s.numel].view(s.shape)
+            else:
+                for s in b.layout.slots:
+                    self._params[s.index].grad = None
+        self._window_open = True
+        self._synced_since_step = False
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        b, offset, n = self._bucket_of[id(p)]
+        flat = b.grad[offset : offset + n]
+        if b.grad.dtype != b.layout.dtype:
+            flat.add_(p.grad.reshape(-1))  # type: ignore[union-attr]
+            p.grad = None
+        elif p.grad is None or p.grad.data_ptr() != flat.data_ptr():
+            # The view was replaced (e.g. grad set to None mid-window): fold it back in.
+            if p.grad is not None:
+                flat.add_(p.grad.reshape(-1))
+            p.grad = flat.view(p.shape)
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if not self._sync:
+            return
+        b.ready += 1
+        if b.ready == len(b.layout.slots):
+            self._issue_reduce(b)
+
+    def _end_backward(self) -> None:
+        self._backward_queued = False
+        if not self._sync:
+            return
+        # Buckets with a parameter that got no gradient (unused in this step) go now.
+        for b in reversed(self.buckets):
+            if not b.reduced:
+                self._issue_reduce(b)
+        for b in self.buckets:
+            self._wait_reduce(b)
+        self._window_open = False
+        self._synced_since_step = True
+        for b in self.buckets:
+            for *_, view, grad in b.local:
+                view.grad = grad
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._synced_since_step:
+            raise RuntimeError(
+                "optimizer.step() before the gradients were reduced: run the last "
+                "micro-batch's backward outside no_sync() first"
+            )
+        for b in self.buckets:
+            if b.state == _GATHERING:  # the optimizer writes into the gathered buffer
+                self._wait_bucket_gather(b)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for b in self.buckets:
+            b.state = _STALE
+        self._synced_since_step = False
+        if self._chunks:
+            self._issue_gather(0)  # the next step's first gather overlaps data loading
+
+    # -- collectives ---------------------------------------------------------------
+
+    def _issue_gather(self, k: int) -> None:
+        for b in self._by_chunk[k]:
+            if b.state != _STALE:
+                continue
+            part = b.data[b.lo : b.lo + b.shard]
+            self._emit("all_gather", "issue", chunk=k, bucket=b.layout.index)
+            b.gather = _all_gather(b.data, part, group=self.group, async_op=True)
+            b.state = _GATHERING
+            if not self.prefetch:
+                self._wait_bucket_gather(b)
+
+    def _wait_gather(self, k: int) -> None:
+        for b in self._by_chunk[k]:
+            if b.state == _STALE:
+                self._issue_gather(k)
+            if b.state == _GATHERING:
+                self._wait_bucket_gather(b)
+
+    def _wait_bucket_gather(self, b: _Bucket) -> None:
+        assert b.gather is not None
+        where = f"chunk {b.layout.chunk}, bucket {b.layout.index}"
+        self._emit("all_gather", "wait_begin", chunk=b.layout.chunk, bucket=b.layout.index)
+        wait_bounded(
+            b.gather, op="all_gather", group=self.group, where=where, timeout_s=self.timeout_s
+        )
+        self._emit("all_gather", "wait_end", chunk=b.layout.chunk, bucket=b.layout.index)
+        b.gather = None
+        b.state = _FRESH
+
+    def _issue_reduce(self, b: _Bucket) -> None:
+        if b.grad.dtype != b.reduce_dtype:
+            if b.send is None:
+                b.send = torch.empty_like(b.grad, dtype=b.reduce_dtype)
+            b.send.copy_(b.grad)
+            send = b.send
+        else:
+            send = b.grad
+        send.div_(self.world)  # the mean over ranks; gloo has no AVG
+        b.reduced = True
+        self._emit("reduce_scatter", "issue", chunk=b.layout.chunk, bucket=b.layout.index)
+        b.reduce = _reduce_scatter(b.grad_shard, send, group=self.group, async_op=True)
+        if not self.prefetch:
+            self._wait_reduce(b)
+
+    def _wait_reduce(self, b: _Bucket) -> None:
+        if b.reduce is None:
+            return
+        where = f"chunk {b.layout.chunk}, bucket {b.layout.index}"
+        self._emit("reduce_scatter", "wait_begin", chunk=b.layout.chunk, bucket=b.layout.index)
+        wait_bounded(
+            b.reduce, op="reduce_scatter", group=self.group, where=where, timeout_s=self.timeout_s
+        )
+        self._emit("reduce_scatter", "wait_end", chunk=b.layout.chunk, bucket=b.layout.index)
+        b.reduce = None
+        if b.opt_grad is not b.grad_shard:
+            b.opt_grad.copy_(b.grad_shard)
+
+    def _emit(self, name: str, kind: str, **attrs: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(name, kind, time.perf_counter(), rank=self.rank, **attrs)
+
+    def _local_views(self) -> dict[int, list[torch.Tensor]]:
+        out: dict[int, list[torch.Tensor]] = {}
+        for b in self.buckets:
+            for s, _, _, view, _ in b.local:
+                out.setdefault(id(self._params[s.index]), []).append(view)
+        return out
+
+
+def default_chunks(module: nn.Module) -> list[list[nn.Module]]:
+    """The top-level blocks of ``module``: each entry of a ``ModuleList`` or
+    ``Sequential`` child is a chunk; the other children before the first such list
+    form one chunk, and those after it another (with the module's own parameters in
+    the first). Small embeddings and heads are so gathered with one collective."""
+    lists = [c for c in module.children() if isinstance(c, (nn.ModuleList, nn.Sequential))]
+    if not lists:
+        children = [c for c in module.children() if any(True for _ in c.parameters())]
+        return [[c] for c in children]
+    before: list[nn.Module] = []
+    after: list[nn.Module] = []
+    blocks: list[list[nn.Module]] = []
+    seen_list = False
+    for c in module.children():
+        if isinstance(c, (nn.ModuleList, nn.Sequential)):
+            seen_list = True
+            blocks.extend([m] for m in c)
+        elif any(True for _ in c.parameters()):
+            (after if seen_list else before).append(c)
+    out = ([before] if before else []) + blocks + ([after] if after else [])
+    return out
+
+
+def _resolve_chunks(
+    module: nn.Module,
+    chunks: Sequence[nn.Module | Sequence[nn.Module]] | None,
+    named: Sequence[tuple[str, nn.Parameter]],
+) -> list[list[nn.Module]]:
+    if chunks is None:
+        resolved = default_chunks(module)
+    else:
+        resolved = []
+        for i, c in enumerate(chunks):
+            if isinstance(c, nn.Module):
+                resolved.append([c])
+            elif isinstance(c, Sequence) and all(isinstance(m, nn.Module) for m in c) and c:
+                resolved.append(list(c))
+            else:
+                raise TypeError(
+                    f"chunks[{i}] must be a module or a non-empty list of modules, got {c!r}"
+                )
+    # Parameters of no chunk (the module's own, or of children outside every chunk) are
+    # gathered first, with the root's forward.
+    inside = {id(p) for ms in resolved for m in ms for p in m.parameters()}
+    rest = [p for _, p in named if p.requires_grad and id(p) not in inside]
+    if rest:
+        resolved.insert(0, [_Leftovers(rest)])
+    return resolved
+
+
+class _Leftovers(nn.Module):
+    """Stands for the parameters outside every chunk, so the planner can see them; its
+    forward hooks run from the wrapper's forward."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__()
+        self._held = params
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return iter(self._held)
+
+
+def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return list(module.named_parameters())  # shared parameters appear once
+
+
+def _resolve_group(
+    group: dist.ProcessGroup | DeviceMesh,
+) -> tuple[DeviceMesh | None, dist.ProcessGroup]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "ZeroDataParallel needs torch.distributed to be initialized "
+            "(dist.init_process_group or torchrun)"
+        )
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"group must be a 1-D DeviceMesh (e.g. mesh['dp']), got a "
+                f"{group.ndim}-D mesh with dims {group.mesh_dim_names}"
+            )
+        return group, group.get_group()
+    if isinstance(group, dist.ProcessGroup):
+        return None, group
+    raise TypeError(f"group must be a ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
