@@ -6,6 +6,27 @@ Built on ``torch.distributed``: process groups, ``DeviceMesh`` and ``DTensor``.
 
 from ms_parallel._version import __version__
 from ms_parallel._wait import CollectiveTimeout
+from ms_parallel.engine import (
+    DDPEngine,
+    LossFn,
+    OptimizerFactory,
+    ShardSpec,
+    StepEngine,
+    StepResult,
+    ZeroEngine,
+)
 from ms_parallel.zero import ZeroDataParallel, default_chunks
 
-__all__ = ["CollectiveTimeout", "ZeroDataParallel", "__version__", "default_chunks"]
+__all__ = [
+    "CollectiveTimeout",
+    "DDPEngine",
+    "LossFn",
+    "OptimizerFactory",
+    "ShardSpec",
+    "StepEngine",
+    "StepResult",
+    "ZeroDataParallel",
+    "ZeroEngine",
+    "__version__",
+    "default_chunks",
+]

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
+from ms_parallel import _zero_state
 from ms_parallel._layout import BucketLayout, plan_buckets, shard_size
 from ms_parallel._wait import wait_bounded
 
@@ -190,6 +191,7 @@ class ZeroDataParallel(nn.Module):
         self._window_open = False  # gradients accumulated since the last reduction
         self._backward_queued = False
         self._synced_since_step = False
+        self._bare_step = False  # an optimizer step that only creates the state
         self._optimizers: list[RemovableHandle] = []
         self._handles: list[RemovableHandle] = []
         for p in params:
@@ -259,18 +261,19 @@ class ZeroDataParallel(nn.Module):
             )
         return out
 
-    def shard_param_ids(self, optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
-        """For each tensor of ``optimizer`` (group after group), the index of the
-        logical parameter it is a slice of (see :attr:`param_numels`): what a
-        ZeRO-aware optimizer such as ms-optim's LAMB needs to complete its norms."""
+    def group_param_ids(self, param_groups: Sequence[dict[str, Any]]) -> tuple[int, ...]:
+        """For each shard view in ``param_groups`` (from :meth:`optimizer_param_groups`, or
+        an optimizer's ``param_groups``), group after group, the index of the logical
+        parameter it is a slice of (see :attr:`param_numels`): what a ZeRO-aware
+        optimizer such as ms-optim's LAMB needs to complete its per-parameter norms."""
         slice_of = {id(v): s.index for b in self.buckets for s, _, _, v, _ in b.local}
         out = []
-        for g in optimizer.param_groups:
+        for i, g in enumerate(param_groups):
             for t in g["params"]:
                 if id(t) not in slice_of:
                     raise ValueError(
-                        "optimizer holds a tensor that is not one of this "
-                        "wrapper's shard views (build it on optimizer_param_groups)"
+                        f"param_groups[{i}] holds a tensor that is not one of this wrapper's "
+                        "shard views (use optimizer_param_groups)"
                     )
                 out.append(slice_of[id(t)])
         return tuple(out)
@@ -320,6 +323,50 @@ class ZeroDataParallel(nn.Module):
             sq += g.float().pow(2).sum()
         dist.all_reduce(sq, group=self.group)
         return sq.sqrt()
+
+    def device_mesh(self) -> DeviceMesh:
+        """The 1-D data-parallel ``DeviceMesh`` the sharded state is placed on."""
+        if self.mesh is None:
+            self.mesh = DeviceMesh.from_group(self.group, self.device.type)
+        return self.mesh
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state with every bucket's per-element state as a 1-D
+        ``DTensor`` (``Shard(0)`` on :meth:`device_mesh`), loadable at any DP size
+        (``ms_parallel._zero_state``). Collective over the group. Before the first
+        step the state is created as a step with zero gradients and learning rate 0
+        would (what ``torch.distributed.checkpoint`` does), so that a checkpointer
+        has every entry to load into."""
+        if not any(optimizer.state.get(v) for b in self.buckets for *_, v, _ in b.local):
+            self._init_optimizer_state(optimizer)
+        return _zero_state.optimizer_state_dict(self, optimizer)
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Load what :meth:`optimizer_state_dict` gave, saved at any DP size."""
+        _zero_state.load_optimizer_state_dict(self, optimizer, state)
+
+    def _init_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        views = [v for b in self.buckets for *_, v, _ in b.local]
+        grads = [v.grad for v in views]
+        before = [v.clone() for v in views]
+        self._bare_step = True
+        try:
+            for g in optimizer.param_groups:
+                g["lr"] = 0.0
+            for v in views:
+                v.grad = torch.zeros_like(v)
+            optimizer.step()
+        finally:
+            self._bare_step = False
+            for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+                g["lr"] = lr
+            with torch.no_grad():
+                for v, old, grad in zip(views, before, grads, strict=True):
+                    v.copy_(old)  # lr 0 changes nothing, but be exact
+                    v.grad = grad
 
     def gather_params(self) -> None:
         """Make the full parameters valid now (blocking): before a checkpoint of the
@@ -403,6 +450,8 @@ class ZeroDataParallel(nn.Module):
                 view.grad = grad
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._bare_step:
+            return
         if not self._synced_since_step:
             raise RuntimeError(
                 "optimizer.step() before the gradients were reduced: run the last "
@@ -413,6 +462,8 @@ class ZeroDataParallel(nn.Module):
                 self._wait_bucket_gather(b)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._bare_step:
+            return
         for b in self.buckets:
             b.state = _STALE
         self._synced_since_step = False
