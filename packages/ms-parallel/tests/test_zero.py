@@ -199,4 +199,29 @@ def test_errors():
 
 def test_needs_an_initialized_group():
     with pytest.raises(RuntimeError, match=r"torch\.distributed to be initialized"):
-        ZeroDataParallel(make_net(), None)  # type: ignore[arg-type]
+        ZeroDataParallel(make_net(), object())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_one_process_without_a_group_matches_plain_training(accum):
+    ref_losses, ref_params = reference(STEPS, 8, lambda n: adamw(n.parameters()))
+    net = make_net()
+    zero = ZeroDataParallel(net, None, bucket_mb=0.002)
+    opt = zero.attach_optimizer(adamw(zero.optimizer_param_groups()))
+    losses = []
+    for tokens, targets in batches(STEPS, 8):
+        total = 0.0
+        for m in range(accum):
+            part = slice(m * 8 // accum, (m + 1) * 8 // accum)
+            with zero.no_sync() if m < accum - 1 else _null():
+                loss = zero(tokens[part], targets[part])
+                (loss / accum).backward()
+            total += loss.item() / accum
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(p.detach(), ref_params[name], rtol=1e-5, atol=1e-6)
+    state = zero.optimizer_state_dict(opt)
+    assert all(type(v) is torch.Tensor for e in state["buckets"].values() for v in e.values())

@@ -41,7 +41,7 @@ def optimizer_state_dict(
     zero: ZeroDataParallel, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """``optimizer``'s state in the DP-size independent form (collective over the group)."""
-    mesh = zero.device_mesh()
+    mesh = zero.device_mesh() if zero.group is not None else None
     per_param: dict[str, dict[str, Any]] = {}
     keys: dict[int, dict[str, torch.dtype]] = {}
     for b in zero.buckets:
@@ -54,8 +54,10 @@ def optimizer_state_dict(
                     per_param.setdefault(s.name, {})[key] = _plain(value)
     # Every rank must agree on the keys, also ranks that hold nothing of a bucket, and
     # every rank needs every parameter's scalars: one small object all-gather.
-    everyone: list[Any] = [None] * zero.world
-    dist.all_gather_object(everyone, (keys, per_param), group=zero.group)
+    everyone: list[Any] = [(keys, per_param)]
+    if zero.group is not None:
+        everyone = [None] * zero.world
+        dist.all_gather_object(everyone, (keys, per_param), group=zero.group)
     all_keys: dict[int, dict[str, torch.dtype]] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for their_keys, their_params in everyone:
@@ -79,8 +81,12 @@ def optimizer_state_dict(
                     )
                 a = s.offset + lo - b.lo
                 local[a : a + hi - lo].copy_(st[key].reshape(-1))
-            buckets.setdefault(f"bucket{b.layout.index}", {})[key] = DTensor.from_local(
-                local, mesh, [Shard(0)], run_check=False, shape=torch.Size([n]), stride=(1,)
+            buckets.setdefault(f"bucket{b.layout.index}", {})[key] = (
+                local  # one process: the whole bucket
+                if mesh is None
+                else DTensor.from_local(
+                    local, mesh, [Shard(0)], run_check=False, shape=torch.Size([n]), stride=(1,)
+                )
             )
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return {

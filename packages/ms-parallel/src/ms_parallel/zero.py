@@ -94,7 +94,10 @@ class ZeroDataParallel(nn.Module):
         module: any ``nn.Module``; its parameters are moved into flat buffers (their
             ``.data`` becomes a view), so optimizers must be built on this wrapper's
             shard views (:meth:`optimizer_param_groups`), not on the parameters.
-        group: the data-parallel group: a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
+        group: the data-parallel group: a ``ProcessGroup`` or a 1-D ``DeviceMesh``;
+            ``None`` for one process without ``torch.distributed`` (nothing is
+            communicated; the state has the same form, so checkpoints move between
+            one process and many).
         chunks: the units gathered before their forward, in the order forward runs
             them; each a module or a list of modules. Default: :func:`default_chunks`.
         bucket_mb: the cap of a flat bucket in MiB (a larger parameter gets its own).
@@ -114,7 +117,7 @@ class ZeroDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        group: dist.ProcessGroup | DeviceMesh,
+        group: dist.ProcessGroup | DeviceMesh | None,
         *,
         chunks: Sequence[nn.Module | Sequence[nn.Module]] | None = None,
         bucket_mb: float = 25.0,
@@ -135,8 +138,8 @@ class ZeroDataParallel(nn.Module):
         if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
             raise TypeError(f"reduce_dtype must be a torch.dtype or None, got {reduce_dtype!r}")
         self.module = module
-        self.world = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
+        self.world = 1 if self.group is None else dist.get_world_size(self.group)
+        self.rank = 0 if self.group is None else dist.get_rank(self.group)
         if not 0 <= broadcast_from < self.world:
             raise ValueError(
                 f"broadcast_from must be a rank in [0, {self.world}), got {broadcast_from!r}"
@@ -177,9 +180,10 @@ class ZeroDataParallel(nn.Module):
                     p = params[s.index]
                     b.data[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
                     self._bucket_of[id(p)] = (b, s.offset, s.numel)
-            src = dist.get_global_rank(self.group, broadcast_from)
-            for b in self.buckets:  # every rank starts from the same weights, as DDP does
-                dist.broadcast(b.data, src=src, group=self.group)
+            if self.group is not None:  # every rank starts from the same weights, as DDP does
+                src = dist.get_global_rank(self.group, broadcast_from)
+                for b in self.buckets:
+                    dist.broadcast(b.data, src=src, group=self.group)
             for b in self.buckets:
                 for s in b.layout.slots:
                     params[s.index].data = b.data[s.offset : s.offset + s.numel].view(s.shape)
@@ -321,11 +325,14 @@ class ZeroDataParallel(nn.Module):
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in self.shard_grads():
             sq += g.float().pow(2).sum()
-        dist.all_reduce(sq, group=self.group)
+        if self.group is not None:
+            dist.all_reduce(sq, group=self.group)
         return sq.sqrt()
 
     def device_mesh(self) -> DeviceMesh:
         """The 1-D data-parallel ``DeviceMesh`` the sharded state is placed on."""
+        if self.group is None:
+            raise RuntimeError("a ZeroDataParallel without a process group has no mesh")
         if self.mesh is None:
             self.mesh = DeviceMesh.from_group(self.group, self.device.type)
         return self.mesh
@@ -476,6 +483,9 @@ class ZeroDataParallel(nn.Module):
         for b in self._by_chunk[k]:
             if b.state != _STALE:
                 continue
+            if self.group is None:  # one process: its buffer is the whole bucket
+                b.state = _FRESH
+                continue
             part = b.data[b.lo : b.lo + b.shard]
             self._emit("all_gather", "issue", chunk=k, bucket=b.layout.index)
             b.gather = _all_gather(b.data, part, group=self.group, async_op=True)
@@ -511,6 +521,11 @@ class ZeroDataParallel(nn.Module):
             send = b.grad
         send.div_(self.world)  # the mean over ranks; gloo has no AVG
         b.reduced = True
+        if self.group is None:
+            b.grad_shard.copy_(send)
+            if b.opt_grad is not b.grad_shard:
+                b.opt_grad.copy_(b.grad_shard)
+            return
         self._emit("reduce_scatter", "issue", chunk=b.layout.chunk, bucket=b.layout.index)
         b.reduce = _reduce_scatter(b.grad_shard, send, group=self.group, async_op=True)
         if not self.prefetch:
@@ -608,8 +623,10 @@ def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]
 
 
 def _resolve_group(
-    group: dist.ProcessGroup | DeviceMesh,
-) -> tuple[DeviceMesh | None, dist.ProcessGroup]:
+    group: dist.ProcessGroup | DeviceMesh | None,
+) -> tuple[DeviceMesh | None, dist.ProcessGroup | None]:
+    if group is None:
+        return None, None
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "ZeroDataParallel needs torch.distributed to be initialized "
