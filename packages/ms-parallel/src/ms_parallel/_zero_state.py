@@ -65,7 +65,7 @@ def optimizer_state_dict(
             all_keys.setdefault(i, {}).update(ks)
         for name, values in their_params.items():
             scalars.setdefault(name, {}).update(values)
-    buckets: dict[str, dict[str, DTensor]] = {}
+    buckets: dict[str, dict[str, torch.Tensor]] = {}
     for b in zero.buckets:
         n = b.layout.numel
         local_n = max(0, min(b.shard, n - b.lo))

@@ -52,8 +52,9 @@ class ShardSpec:
     param_ids: tuple[int, ...]
     #: Element count of every logical parameter.
     numels: tuple[int, ...]
-    #: The group the shards are spread over.
-    group: dist.ProcessGroup
+    #: The group the shards are spread over; ``None`` in one process without
+    #: ``torch.distributed``, where every tensor is a whole (flattened) parameter.
+    group: dist.ProcessGroup | None
 
 
 #: ``make_optimizer(param_groups, shards)``: build the optimizer on the given groups

@@ -505,7 +505,11 @@ class ZeroDataParallel(nn.Module):
         where = f"chunk {b.layout.chunk}, bucket {b.layout.index}"
         self._emit("all_gather", "wait_begin", chunk=b.layout.chunk, bucket=b.layout.index)
         wait_bounded(
-            b.gather, op="all_gather", group=self.group, where=where, timeout_s=self.timeout_s
+            b.gather,
+            op="all_gather",
+            group=self._comm_group(),
+            where=where,
+            timeout_s=self.timeout_s,
         )
         self._emit("all_gather", "wait_end", chunk=b.layout.chunk, bucket=b.layout.index)
         b.gather = None
@@ -537,12 +541,21 @@ class ZeroDataParallel(nn.Module):
         where = f"chunk {b.layout.chunk}, bucket {b.layout.index}"
         self._emit("reduce_scatter", "wait_begin", chunk=b.layout.chunk, bucket=b.layout.index)
         wait_bounded(
-            b.reduce, op="reduce_scatter", group=self.group, where=where, timeout_s=self.timeout_s
+            b.reduce,
+            op="reduce_scatter",
+            group=self._comm_group(),
+            where=where,
+            timeout_s=self.timeout_s,
         )
         self._emit("reduce_scatter", "wait_end", chunk=b.layout.chunk, bucket=b.layout.index)
         b.reduce = None
         if b.opt_grad is not b.grad_shard:
             b.opt_grad.copy_(b.grad_shard)
+
+    def _comm_group(self) -> dist.ProcessGroup:
+        if self.group is None:
+            raise RuntimeError("internal: a collective without a process group")
+        return self.group
 
     def _emit(self, name: str, kind: str, **attrs: Any) -> None:
         if self.on_event is not None:
