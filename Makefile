@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 DIST ?= dist
 BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak clean
+.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -93,6 +93,11 @@ bench-ckpt: $(STAMP)
 
 bench-train: $(STAMP)
 	$(BIN)/python tools/bench/train/throughput.py --reps 8
+
+# Group init of a pp x dp x tp mesh on 8 gloo ranks: build_mesh against one new_group per
+# group and init_device_mesh, with torch's per-group init barrier off and on (issue 15).
+bench-mesh: $(STAMP)
+	$(BIN)/python tools/bench/parallel/mesh_init.py --reps 11
 
 # Random SIGKILLs of a 2-rank job across saves, reruns, leftovers (issue 14's soak).
 bench-kill-soak: $(STAMP)

@@ -164,3 +164,39 @@ def test_kill_soak_smoke_kills_once_and_finds_nothing_left(tmp_path: Path) -> No
     assert record["runs_with_other_losses_or_unfinished"] == 0
     (trial,) = record["trials"]
     assert trial["finished"] and trial["exit"] == 0
+
+
+@pytest.mark.slow
+def test_mesh_init_smoke_times_and_counts_every_candidate(tmp_path: Path) -> None:
+    """4 ranks build each shape with build_mesh, the textbook new_group loop and
+    init_device_mesh under both TORCH_DIST_INIT_BARRIER settings (each mesh is checked
+    by a collective inside the script); the counted builds show the textbook loop
+    joining a world-wide barrier per group with the barrier on, and build_mesh none."""
+    out = tmp_path / "mesh_init.json"
+    proc = _run_bench("parallel/mesh_init.py", "--smoke", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
+    record = json.loads(out.read_text())
+    assert record["smoke"] is True and record["parameters"]["world"] == 4
+    candidates = ("ms build_mesh", "new_group per group", "torch init_device_mesh")
+    # Groups of pp=1 x dp=2 x tp=2 on 4 ranks: 4 pp groups, 2 dp, 2 tp; of dp=4: 4, 1, 4.
+    for shape, groups in (("1x2x2", 8), ("1x4x1", 9)):
+        for setting in ("0", "1"):
+            entry = record["summary"][f"{setting}/{shape}"]
+            assert set(entry) == set(candidates)
+            for c in candidates:
+                assert entry[c]["median_s"] > 0 and entry[c]["store_requests_max_rank"] > 0
+            ms = entry["ms build_mesh"]
+            assert ms["world_barriers_per_rank"] == 0
+            assert ms["requests_on_other_groups_keys_max_rank"] == 0
+            # its own groups (a dim spanning the world reuses the default group)
+            own = 3 if shape == "1x2x2" else 2
+            assert ms["new_group_calls_per_rank"] == own
+            assert ms["group_local_barriers_per_rank"] == (own if setting == "1" else 0)
+            assert entry["new_group per group"]["new_group_calls_per_rank"] == groups
+            barriers = entry["new_group per group"]["world_barriers_per_rank"]
+            assert barriers == (groups if setting == "1" else 0), (shape, setting, barriers)
+    # 1 timed round and 1 counted build per (setting, shape, candidate)
+    assert len(record["builds"]) == 2 * 2 * 2 * 3
+    assert all(len(b["s_per_rank"]) == 4 for b in record["builds"])
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["mesh_init.json"]
