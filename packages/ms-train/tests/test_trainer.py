@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import AbstractContextManager, nullcontext, suppress
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from ms_data.build import BuildConfig
 from ms_testing.dist import run_ranks
 from ms_testing.train import write_train_config
 from ms_train.config import Config, ConfigError, load_config
-from ms_train.engine import DDPEngine, make_engine
+from ms_train.engine import DDPEngine, ZeroEngine, make_engine
 from ms_train.report import MetricsLog, read_metrics
 from ms_train.trainer import Trainer
 
@@ -191,22 +191,24 @@ def _committed(out: Path) -> list[int]:
     return [int(p.parent.name[5:]) for p in (out / "ckpt").glob("step-*/manifest.json")]
 
 
-class RecordingEngine:
-    """A stand-in data-parallel engine that counts what the trainer asks of it."""
+class RecordingEngine(DDPEngine):
+    """DDP's step engine (one rank: the model as it is), recording what the trainer
+    hands it."""
 
     name = "recording"
 
     def __init__(self) -> None:
-        self.wrapped: list[nn.Module] = []
-        self.no_syncs = 0
+        super().__init__("cpu")
+        self.models: list[nn.Module] = []
+        self.steps: list[tuple[int, float | None]] = []
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        self.wrapped.append(model)
-        return model
+    def setup(self, model, param_groups, make_optimizer) -> None:  # type: ignore[no-untyped-def]
+        self.models.append(model)
+        super().setup(model, param_groups, make_optimizer)
 
-    def no_sync(self, wrapped: nn.Module) -> AbstractContextManager[object]:
-        self.no_syncs += 1
-        return nullcontext()
+    def step(self, next_batch, loss_fn, *, grad_accum, max_norm):  # type: ignore[no-untyped-def]
+        self.steps.append((grad_accum, max_norm))
+        return super().step(next_batch, loss_fn, grad_accum=grad_accum, max_norm=max_norm)
 
 
 @pytest.mark.slow
@@ -219,8 +221,9 @@ def test_the_engine_is_swappable_and_reports_are_written(corpus: Path, tmp_path:
     stream = io.StringIO()
     with Trainer(config, engine=engine, peak_flops=1e9, stream=stream) as trainer:
         summary = trainer.train()
-    assert engine.wrapped == [trainer.model]
-    assert summary.grad_accum == 3 and engine.no_syncs == 4 * 2  # all but the last micro
+    assert engine.models == [trainer.model] and trainer.optimizer is engine.optimizer
+    assert summary.grad_accum == 3
+    assert engine.steps == [(3, config.optim.clip_grad)] * 4
     out = tmp_path / "run"
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -308,13 +311,13 @@ def test_trainer_refuses_what_it_cannot_run(corpus: Path, tmp_path: Path) -> Non
 
 
 def test_engines() -> None:
-    model = nn.Linear(2, 2)
-    engine = make_engine("ddp", torch.device("cpu"))
-    assert isinstance(engine, DDPEngine) and engine.wrap(model) is model  # one rank
-    with engine.no_sync(model):
-        pass
-    with pytest.raises(ValueError, match=r"parallel.engine must be one of \['ddp'\], got 'zero'"):
-        make_engine("zero", torch.device("cpu"))
+    parallel = load_config(None, preset="tiny").parallel
+    zero = attrs.evolve(parallel, engine="zero")
+    assert isinstance(make_engine(zero, torch.device("cpu")), ZeroEngine)
+    ddp = attrs.evolve(parallel, engine="ddp")
+    assert isinstance(make_engine(ddp, torch.device("cpu")), DDPEngine)
+    with pytest.raises(ConfigError, match=r"parallel.engine must be one of"):
+        attrs.evolve(parallel, engine="fsdp")
 
 
 def test_metrics_log_keeps_the_steps_up_to_the_checkpoint(tmp_path: Path) -> None:

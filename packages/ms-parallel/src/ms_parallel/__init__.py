@@ -15,12 +15,16 @@ from ms_parallel.engine import (
     StepResult,
     ZeroEngine,
 )
+from ms_parallel.mesh import build_mesh
+from ms_parallel.mesh_shape import MESH_DIM_NAMES, MeshShape
 from ms_parallel.zero import ZeroDataParallel, default_chunks
 
 __all__ = [
+    "MESH_DIM_NAMES",
     "CollectiveTimeout",
     "DDPEngine",
     "LossFn",
+    "MeshShape",
     "OptimizerFactory",
     "ShardSpec",
     "StepEngine",
@@ -28,5 +32,6 @@ __all__ = [
     "ZeroDataParallel",
     "ZeroEngine",
     "__version__",
+    "build_mesh",
     "default_chunks",
 ]

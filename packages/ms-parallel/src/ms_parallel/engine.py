@@ -202,7 +202,8 @@ class DDPEngine:
 
 class ZeroEngine:
     """ZeRO-2 (:class:`ms_parallel.ZeroDataParallel`) over ``process_group`` (default:
-    the world): reduce-scatter per bucket during backward, the optimizer on this rank's
+    the world; one process without ``torch.distributed`` communicates nothing but keeps
+    the same state form): reduce-scatter per bucket during backward, the optimizer on this rank's
     shards, the all-gather deferred into the next forward with chained prefetch.
 
     The keyword arguments are :class:`ZeroDataParallel`'s.
@@ -240,9 +241,9 @@ class ZeroEngine:
         param_groups: Sequence[dict[str, Any]],
         make_optimizer: OptimizerFactory,
     ) -> None:
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        if group is None:
-            raise RuntimeError("ZeroEngine needs torch.distributed to be initialized")
+        group = self.process_group
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
         self._model = model
         self.zero = zero = ZeroDataParallel(model, group, **self.options)
         groups = zero.optimizer_param_groups(param_groups)

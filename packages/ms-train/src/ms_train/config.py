@@ -267,13 +267,29 @@ class ParallelConfig:
         pp: pipeline-parallel size (stages).
         virtual_stages: model chunks per pipeline rank (interleaved 1F1B); the layers
             must split evenly into ``pp * virtual_stages`` chunks.
-        engine: the data-parallel wrapper: ``"ddp"`` (torch DistributedDataParallel).
+        engine: the step engine (``ms_parallel.engine``): ``"zero"`` (ZeRO-2: gradients
+            reduce-scattered per bucket during backward, optimizer state sharded, the
+            updated parameters all-gathered chunk by chunk ahead of the next forward) or
+            ``"ddp"`` (torch DistributedDataParallel). Checkpoints of one do not load
+            into the other.
+        bucket_mb: the size cap of a gradient bucket in MiB (both engines).
+        collective_timeout_s: ZeRO bounds every wait on a collective by this many
+            seconds; a rank that stops participating then fails the others with an
+            error naming the collective, the group and the chunk.
     """
 
     tp: int = attrs.field(default=1, validator=_positive_int("parallel"))
     pp: int = attrs.field(default=1, validator=_positive_int("parallel"))
     virtual_stages: int = attrs.field(default=1, validator=_positive_int("parallel"))
-    engine: Literal["ddp"] = attrs.field(default="ddp", validator=_choice("parallel", ("ddp",)))
+    engine: Literal["zero", "ddp"] = attrs.field(
+        default="ddp", validator=_choice("parallel", ("zero", "ddp"))
+    )
+    bucket_mb: float = attrs.field(
+        default=25.0, validator=_float("parallel", low=0.0, low_open=True)
+    )
+    collective_timeout_s: float = attrs.field(
+        default=600.0, validator=_float("parallel", low=0.0, low_open=True)
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -1,98 +1,47 @@
-"""Data-parallel engines: the swappable component that wraps the model for several ranks.
+"""Step engines by name: the swappable component that owns one optimizer step.
 
-An engine turns the model into what the loop calls forward/backward on, and says how to
-skip the gradient reduction on the micro-batches of an accumulation that are not the
-last. The trainer needs nothing else from it, so another engine (the ms-parallel ZeRO
-engine, when it lands) drops in by name (``parallel.engine``, a key of ``ENGINES``) or
-as an object (``Trainer(config, engine=...)``).
-
-``"ddp"`` is ``torch.nn.parallel.DistributedDataParallel`` over the default group. With
-one rank (or no process group) it leaves the model as it is: there is nothing to reduce.
+``parallel.engine`` picks one of ms-parallel's engines (``ms_parallel.engine``):
+``"zero"`` (ZeRO-2 with overlapped reduce-scatter and prefetched all-gather, the
+default) or ``"ddp"`` (torch ``DistributedDataParallel``). An object with the
+``ms_parallel.StepEngine`` interface can also be given as ``Trainer(config, engine=...)``.
+The trainer only calls it: the micro-batch loop, gradient sync, clipping, what the
+optimizer steps on and what the checkpoint sees are the engine's.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["ENGINES", "DDPEngine", "DataParallelEngine", "make_engine"]
+from ms_parallel import DDPEngine, StepEngine, ZeroEngine
+from ms_train.config import ParallelConfig
 
+__all__ = ["ENGINES", "DDPEngine", "StepEngine", "ZeroEngine", "make_engine"]
 
-@runtime_checkable
-class DataParallelEngine(Protocol):
-    """What the trainer needs from a data-parallel wrapper."""
-
-    name: str
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The module the loop runs forward and backward on."""
-        ...
-
-    def no_sync(self, wrapped: nn.Module) -> AbstractContextManager[object]:
-        """A context in which backward accumulates without reducing gradients."""
-        ...
+EngineFactory = Callable[[ParallelConfig, torch.device], StepEngine]
 
 
-class DDPEngine:
-    """``DistributedDataParallel`` over ``process_group`` (default: the world).
-
-    Gradients are averaged over the group in buckets during backward, overlapped with
-    the rest of backward; ``no_sync`` defers that to the last micro-batch.
-    """
-
-    name = "ddp"
-
-    def __init__(
-        self,
-        device: torch.device,
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
-    ) -> None:
-        self.device = torch.device(device)
-        self.process_group = process_group
-        self.bucket_cap_mb = bucket_cap_mb
-
-    def world_size(self) -> int:
-        if not dist.is_available() or not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.process_group)
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        if self.world_size() == 1:
-            return model
-        return DistributedDataParallel(
-            model,
-            device_ids=[self.device] if self.device.type == "cuda" else None,
-            process_group=self.process_group,
-            bucket_cap_mb=self.bucket_cap_mb,
-        )
-
-    def no_sync(self, wrapped: nn.Module) -> AbstractContextManager[object]:
-        if isinstance(wrapped, DistributedDataParallel):
-            return wrapped.no_sync()
-        return contextlib.nullcontext()
+def _ddp(p: ParallelConfig, device: torch.device) -> StepEngine:
+    return DDPEngine(device, bucket_cap_mb=p.bucket_mb)
 
 
-EngineFactory = Callable[[torch.device], DataParallelEngine]
+def _zero(p: ParallelConfig, device: torch.device) -> StepEngine:
+    # One process without a process group still runs ZeRO's code and state form, so a
+    # checkpoint moves between one rank and many.
+    return ZeroEngine(device, bucket_mb=p.bucket_mb, timeout_s=p.collective_timeout_s)
+
 
 #: Engines by the name ``parallel.engine`` gives.
-ENGINES: dict[str, EngineFactory] = {"ddp": DDPEngine}
+ENGINES: dict[str, EngineFactory] = {"ddp": _ddp, "zero": _zero}
 
 
-def make_engine(name: str, device: torch.device) -> DataParallelEngine:
-    """The engine registered as ``name``, for ``device``."""
+def make_engine(parallel: ParallelConfig, device: torch.device) -> StepEngine:
+    """The engine ``parallel.engine`` names, for ``device``."""
     try:
-        factory = ENGINES[name]
+        factory = ENGINES[parallel.engine]
     except KeyError:
         raise ValueError(
-            f"parallel.engine must be one of {sorted(ENGINES)}, got {name!r}"
+            f"parallel.engine must be one of {sorted(ENGINES)}, got {parallel.engine!r}"
         ) from None
-    return factory(device)
+    return factory(parallel, device)

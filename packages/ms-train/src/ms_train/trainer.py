@@ -5,10 +5,11 @@ One optimizer step on every rank:
 1. the learning rate of the step (linear warm-up, cosine decay: ``ms_train.schedule``);
 2. ``grad_accum`` micro-batches from the ms-data ``NodeLoader`` (one reader process per
    node fills a shared-memory ring ``data.prefetch`` steps ahead), forward under bf16
-   autocast where enabled, backward of ``loss / grad_accum``; the data-parallel engine
-   reduces gradients on the last micro-batch only;
-3. the global gradient norm clipped to ``optim.clip_grad``; the ms-optim LAMB (or torch
-   AdamW) step;
+   autocast where enabled, backward of ``loss / grad_accum``; the step engine
+   (``parallel.engine``, ms-parallel's ZeRO-2 by default) owns this loop and reduces
+   gradients on the last micro-batch only;
+3. the global gradient norm, over every parameter once, clipped to ``optim.clip_grad``;
+   the ms-optim LAMB (or torch AdamW) step, on this rank's shards under ZeRO;
 4. every ``checkpoint.every`` steps and at the end, an ms-ckpt two-stage checkpoint of
    the model, optimizer, loader position, RNG and step: training goes on while a
    separate process writes it.
@@ -48,7 +49,8 @@ from torch import nn
 
 from ms_ckpt import Checkpointer
 from ms_data import Corpus, NodeLoader, PackedDataset, get_tokenizer
-from ms_optim import Lamb, lamb_param_groups
+from ms_optim import Lamb, ShardMap, lamb_param_groups
+from ms_parallel import OptimizerFactory, ShardSpec, StepEngine
 from ms_train import _lock, _saves, _stop, report
 from ms_train._data_errors import damaged_data
 from ms_train._eval import HeldOutEval
@@ -58,7 +60,7 @@ from ms_train._rng import RankRNG, seed_rank
 from ms_train._tensorboard import TensorBoardLog
 from ms_train.config import Config, ConfigError, OptimConfig
 from ms_train.demo import demo_corpus
-from ms_train.engine import DataParallelEngine, make_engine
+from ms_train.engine import make_engine
 from ms_train.flops import model_flops_per_token
 from ms_train.model import GPT
 from ms_train.schedule import lr_at
@@ -119,16 +121,39 @@ class RunSummary:
     sample: str | None
 
 
-def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
-    """LAMB (ms-optim) or AdamW (torch) over two groups: weights with weight decay;
-    biases, norm parameters and embeddings without (and, for LAMB, without layer
-    adaptation)."""
-    groups = lamb_param_groups(model, config.weight_decay, exclude_types=(nn.Embedding,))
+def optimizer_groups(model: nn.Module, config: OptimConfig) -> list[dict[str, Any]]:
+    """Two groups of ``model``'s parameters: weights with weight decay; biases, norm
+    parameters and embeddings without (and, for LAMB, without layer adaptation)."""
+    return lamb_param_groups(model, config.weight_decay, exclude_types=(nn.Embedding,))
+
+
+def optimizer_factory(config: OptimConfig) -> OptimizerFactory:
+    """``make(param_groups, shards)``: LAMB (ms-optim) or AdamW (torch) on the groups an
+    engine hands over; with ZeRO's ``shards`` LAMB completes its per-parameter norms
+    over the data-parallel group (one packed all-reduce)."""
     betas = (config.beta1, config.beta2)
-    if config.name == "lamb":
-        return Lamb(groups, lr=config.lr, betas=betas, eps=config.eps)
-    plain = [{k: v for k, v in g.items() if k != "layer_adaptation"} for g in groups]
-    return torch.optim.AdamW(plain, lr=config.lr, betas=betas, eps=config.eps)
+
+    def make(groups: list[dict[str, Any]], shards: ShardSpec | None) -> torch.optim.Optimizer:
+        if config.name == "lamb":
+            if shards is not None and shards.group is not None:
+                return Lamb(
+                    groups,
+                    lr=config.lr,
+                    betas=betas,
+                    eps=config.eps,
+                    shards=ShardMap(param_ids=shards.param_ids, numels=shards.numels),
+                    process_group=shards.group,
+                )
+            return Lamb(groups, lr=config.lr, betas=betas, eps=config.eps)
+        plain = [{k: v for k, v in g.items() if k != "layer_adaptation"} for g in groups]
+        return torch.optim.AdamW(plain, lr=config.lr, betas=betas, eps=config.eps)
+
+    return make
+
+
+def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer of :func:`optimizer_factory` on ``model``'s own parameters."""
+    return optimizer_factory(config)(optimizer_groups(model, config), None)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -188,7 +213,7 @@ class Trainer:
         self,
         config: Config,
         *,
-        engine: DataParallelEngine | None = None,
+        engine: StepEngine | None = None,
         stream: TextIO | None = None,
         peak_flops: float | None = None,
         job_id: str | None = None,
@@ -253,9 +278,11 @@ class Trainer:
         self.evaluator = self._held_out_eval() if config.train.eval_every else None
 
         self.model = GPT(m, device=self.device)
-        self.engine = engine if engine is not None else make_engine(p.engine, self.device)
-        self.wrapped = self.engine.wrap(self.model)
-        self.optimizer = build_optimizer(self.model, config.optim)
+        self.engine = engine if engine is not None else make_engine(p, self.device)
+        self.engine.setup(
+            self.model, optimizer_groups(self.model, config.optim), optimizer_factory(config.optim)
+        )
+        self.optimizer = self.engine.optimizer
         self.checkpointer = Checkpointer(self.checkpoint_dir, keep_last=config.checkpoint.keep_last)
         self.flops_per_token = model_flops_per_token(m).total
         self._peak: Peak | None = None
@@ -337,8 +364,7 @@ class Trainer:
 
     def _state(self) -> dict[str, Any]:
         state = {
-            "model": self.model,
-            "optim": self.optimizer,
+            **self.engine.state(),  # model and optim, in the engine's form
             "rng": RankRNG(),
             "step": self.step,
         }
@@ -399,26 +425,27 @@ class Trainer:
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        total = torch.zeros((), device=self.device)
-        for micro in range(self.grad_accum):
-            try:
-                batch = next(self.loader).to(self.device, non_blocking=True)
-            except Exception as e:
-                damaged = damaged_data(e, c.data.shards)
-                if damaged is None:
-                    raise
-                raise damaged from e
-            last = micro == self.grad_accum - 1
-            with contextlib.nullcontext() if last else self.engine.no_sync(self.wrapped):
-                with self._autocast():
-                    _, loss = self.wrapped(batch[:, :-1], batch[:, 1:])
-                (loss / self.grad_accum).backward()
-            total += loss.detach()
-        clip = c.optim.clip_grad if c.optim.clip_grad > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total / self.grad_accum, grad_norm, lr
+        out = self.engine.step(
+            self._next_batch,
+            self._loss,
+            grad_accum=self.grad_accum,
+            max_norm=c.optim.clip_grad if c.optim.clip_grad > 0 else None,
+        )
+        return out.loss, out.grad_norm, lr
+
+    def _next_batch(self) -> torch.Tensor:
+        try:
+            return next(self.loader).to(self.device, non_blocking=True)  # type: ignore[no-any-return]
+        except Exception as e:
+            damaged = damaged_data(e, self.config.data.shards)
+            if damaged is None:
+                raise
+            raise damaged from e
+
+    def _loss(self, module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            _, loss = module(batch[:, :-1], batch[:, 1:])
+        return loss  # type: ignore[no-any-return]
 
     def _global_mean(self, value: torch.Tensor) -> float:
         if self.world_size > 1:
@@ -500,7 +527,9 @@ class Trainer:
                 losses.append((done, mean_loss))
                 if evaluating and self.evaluator is not None:
                     t_eval = time.perf_counter()
-                    record["eval_loss"] = self.evaluator.loss(self.model, self._autocast)
+                    record["eval_loss"] = self.evaluator.loss(
+                        self.engine.eval_module, self._autocast
+                    )
                     evals.append((done, record["eval_loss"]))
                     spent = time.perf_counter() - t_eval  # not training time
                     now += spent
