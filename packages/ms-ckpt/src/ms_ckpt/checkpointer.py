@@ -269,17 +269,37 @@ class Checkpointer:
         return handle
 
     def _stage1(self, step: int, state: dict[str, Any], lay: _plan.Layout) -> dict[str, Any]:
-        """Flatten, copy this rank's tensors into the host pool, and describe the job."""
+        """Flatten, copy this rank's tensors into the host pool, and describe the job.
+
+        Of a DTensor only the local shard is copied, and only where this rank writes it:
+        each distinct piece of the global tensor is written by one rank (the replicas
+        along its Replicate mesh dimensions, and across DP when the mesh lies inside one
+        DP replica, leave it to one of them)."""
         flat = _tree.flatten(state)
+        part_of = {r: p for p, ranks in enumerate(lay.groups) for r in ranks}
+        across: set[str] = set()  # DTensor pieces that this rank's DP peers hold too
+        for it in flat.items:
+            if it.scope == "dtensor":
+                parts, dp_copies = _plan.dtensor_scope(it.key, it.mesh_ranks, lay, part_of)
+                assert it.shard is not None
+                it.shard["parts"] = parts
+                if dp_copies and it.replica_writer:
+                    across.add(it.key)
         owner = _plan.assign(
             [
                 (it.key, it.nbytes, isinstance(it.value, torch.Tensor))
                 for it in flat.items
-                if it.scope == "replicated"
+                if it.scope == "replicated" or it.key in across
             ],
             lay.dp_size,
         )
-        mine = [it for it in flat.items if it.scope != "replicated" or owner[it.key] == lay.dp_rank]
+
+        def writes(it: _tree.Item) -> bool:
+            if it.scope == "replicated" or it.key in across:
+                return owner[it.key] == lay.dp_rank
+            return it.scope != "dtensor" or it.replica_writer
+
+        mine = [it for it in flat.items if writes(it)]
         tensor_items = [it for it in mine if isinstance(it.value, torch.Tensor)]
         records = stage1_copy(
             self._pool,
@@ -604,6 +624,8 @@ def _placement(item: _tree.Item, layout: _plan.Layout) -> dict[str, Any]:
         return {}
     if item.scope == "rank":
         return {"dp_rank": layout.dp_rank}
+    if item.scope == "dtensor":
+        return {"dp_rank": layout.dp_rank, "dtensor": item.shard}
     return {"dp_rank": layout.dp_rank, "shard": item.shard}
 
 
@@ -632,5 +654,5 @@ def _make_layout(group: Any, dp_group: Any, mesh: Any, dp_dim: str | int) -> _pl
     group = world if group is None else group
     dp_group = group if dp_group is None else dp_group
     if dist.get_world_size(group) == 1:
-        return _plan.single()
+        return _plan.single(dist.get_rank())
     return _plan.discover(group, dp_group)
