@@ -78,9 +78,10 @@ class Checkpointer:
 
     With several processes every rank of ``group`` constructs it and calls ``save`` and
     ``load`` with the same steps (both are collective). The ranks of one data-parallel
-    group (``dp_group``) hold the same state, except values marked ``per_rank`` and
-    ``Sharded`` slices (see ``ms_ckpt.placement``): each replicated tensor is copied and
-    written by one rank of the group, and on load read by one rank and broadcast.
+    group (``dp_group``) hold the same state, except values marked ``per_rank``,
+    ``DTensor`` pieces and ``Sharded`` slices (see ``ms_ckpt.placement``): each replicated
+    tensor, and each distinct piece of a DTensor, is copied and written by one rank, and
+    on load read by one rank of the DP group and broadcast to the ranks that need it.
 
     Args:
         url: root of the checkpoints; step ``N`` lives in ``<url>/step-0000000N/``. Every
@@ -465,8 +466,11 @@ class Checkpointer:
         Collective with several ranks: rank 0 picks the step and reads the manifest;
         each replicated record is read by one rank of each DP group and broadcast to
         the group (``broadcast=False``: every rank reads everything it needs itself).
-        A different data-parallel size reshards ``Sharded`` state; a layout that cannot
-        take the checkpoint raises ``CheckpointError`` naming what changed.
+        A live ``DTensor`` (or ``Sharded``) gets the region of the saved global tensor
+        its local shard covers, whatever data-parallel size, mesh or placements saved
+        it; a plain tensor gets the whole tensor. A layout that cannot take the
+        checkpoint, or a different global shape or dtype, raises ``CheckpointError``
+        naming what changed.
 
         Per-rank values (``per_rank``, ``rng_state()``) have no counterpart on the ranks
         of a different data-parallel size. ``per_rank="refuse"`` raises
