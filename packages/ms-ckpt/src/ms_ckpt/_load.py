@@ -3,30 +3,34 @@
 In order, with every rank agreeing after each phase so that nobody waits in a
 collective for a rank that gave up:
 
-1. plan (no I/O): the layout can take the checkpoint (else which dimension changed), and
-   every tensor of the live state matches the checkpoint's dtype and shape;
-2. read and verify: each replicated record of this rank's part is read by one rank of
-   its DP group (the split of ``_plan.assign``), per-rank records by their rank, and the
-   pieces of a sharded tensor that overlap the slice this rank holds by this rank;
-3. broadcast: each rank sends the replicated records it read to its DP group;
-4. restore in place.
+1. plan (no I/O): the layout can take the checkpoint (else which dimension changed),
+   every tensor of the live state matches the checkpoint's dtype and (global) shape, and
+   each sharded or DTensor value's region on this rank picks the saved pieces it needs;
+2. split the reads over the DP group: every replicated record and every piece that two
+   or more ranks of the group need is read by one of them (``_plan.assign_readers``),
+   a piece one rank needs by that rank, per-rank records by their rank;
+3. read and verify;
+4. broadcast: each rank sends the shared records it read to its DP group;
+5. restore in place: a live ``Sharded`` or ``DTensor`` gets its region, assembled from
+   the pieces that overlap it, a plain tensor the whole tensor.
 
-A checksum error in phase 2 raises ``CheckpointCorruptError`` on every rank, before
+A checksum error in phase 3 raises ``CheckpointCorruptError`` on every rank, before
 anything was restored.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import zstandard
 
+from ms_ckpt import _boxes, _dtensor, _plan, _reader, _tree
 from ms_ckpt import _layout as L
-from ms_ckpt import _plan, _reader, _tree
+from ms_ckpt._boxes import Box
 from ms_ckpt._plan import Layout
 from ms_ckpt.errors import CheckpointCorruptError, CheckpointError
 from ms_ckpt.placement import Sharded
@@ -35,21 +39,64 @@ _BUCKET = 32 << 20  # bytes per broadcast (docs/design.md: why 32 MiB)
 
 
 @dataclass
+class _Target:
+    """Where a tensor record's value goes on this rank: the region of the global tensor
+    it asks for, and the live ``Sharded`` or ``DTensor`` the value is wrapped like (None:
+    a plain tensor, or nothing live: the whole tensor)."""
+
+    live: Any
+    box: Box
+    dtype: str
+
+
+@dataclass
 class _Plan:
     tree: dict[str, Any]
     per_rank: dict[str, dict[str, Any]]
     replicated: list[dict[str, Any]]
-    owner: dict[str, int]  # replicated key -> DP rank that reads it
     own: list[dict[str, Any]]  # per-rank records of this rank
-    pieces: dict[str, list[dict[str, Any]]]  # sharded key -> pieces this rank reads
-    targets: dict[str, tuple[Sharded | None, dict[str, Any]]]  # sharded key -> live, info
+    pieces: dict[str, list[dict[str, Any]]]  # sharded/DTensor key -> pieces this rank needs
+    targets: dict[str, _Target]  # every sharded/DTensor key; replicated keys cut to a region
+    # Filled after the ranks agreed on the plan (``_split_reads``): the records read by one
+    # rank of the DP group and broadcast to it, in the same order on every rank of it, and
+    # who reads each (by id(record)).
+    shared: list[dict[str, Any]] = field(default_factory=list)
+    owner: dict[int, int] = field(default_factory=dict)
+
+
+def _target(key: str, live: Any, shape: tuple[int, ...], dtype: str, what: str) -> _Target:
+    """The region ``live`` asks for of a saved tensor of global ``shape`` and ``dtype``
+    (``what``: "a DTensor", "a tensor"...); refuses a different global shape or dtype."""
+    if isinstance(live, Sharded):
+        kind, live_shape, live_dtype = "Sharded", live.global_shape, live.local.dtype
+    elif _dtensor.is_dtensor(live):
+        kind, live_shape, live_dtype = "DTensor", tuple(live.shape), live.dtype
+    elif isinstance(live, torch.Tensor):
+        kind, live_shape, live_dtype = "tensor", tuple(live.shape), live.dtype
+    else:  # not in the live state, or not a tensor there: the whole tensor
+        return _Target(None, _boxes.whole(shape), dtype)
+    if live_shape != shape or live_dtype != _reader.dtype_of(dtype):
+        raise CheckpointError(
+            f"state[{key!r}]: checkpoint holds {what} of {dtype} with global shape {shape}, "
+            f"the live {kind} is {str(live_dtype).removeprefix('torch.')} with global shape "
+            f"{live_shape}"
+        )
+    if kind == "tensor":
+        return _Target(None, _boxes.whole(shape), dtype)
+    if isinstance(live, Sharded):
+        lo = [0] * len(shape)
+        lo[live.dim] = live.offset
+        return _Target(live, (tuple(lo), tuple(live.local.shape)), dtype)
+    try:
+        return _Target(live, _dtensor.region(live, key), dtype)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(str(e)) from e
 
 
 def _plan_load(
     manifest: dict[str, Any],
     state: dict[str, Any],
     layout: Layout,
-    broadcast: bool,
     keep_per_rank: bool,
 ) -> _Plan:
     """Phase 1 on this rank; raises CheckpointError (not yet agreed with the others)."""
@@ -68,59 +115,85 @@ def _plan_load(
     own = [
         r
         for r in records
-        if not resized and "shard" not in r and r.get("dp_rank") == layout.dp_rank
+        if not resized and not _boxes.is_piece(r) and r.get("dp_rank") == layout.dp_rank
     ]
-    shards: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        if "shard" in r:
-            shards.setdefault(r["key"], []).append(r)
+    # A DTensor's pieces may come from any part its mesh spans (tensor parallelism).
+    boxed: dict[str, list[dict[str, Any]]] = {}
+    for r in manifest["records"]:
+        if _boxes.is_piece(r) and layout.part in _boxes.parts_of(r):
+            boxed.setdefault(r["key"], []).append(r)
     live: dict[str, Any] = {}
     _tree.walk_live(state, live.__setitem__)
 
     pieces: dict[str, list[dict[str, Any]]] = {}
-    targets: dict[str, tuple[Sharded | None, dict[str, Any]]] = {}
+    targets: dict[str, _Target] = {}
     placeholders: dict[str, Any] = {}
-    for key, recs in shards.items():
-        info = recs[0]["shard"]
-        gshape, dim = tuple(info["global_shape"]), info["dim"]
-        target = live.get(key)
-        if isinstance(target, Sharded):
-            if target.global_shape != gshape or target.dim != dim:
-                raise CheckpointError(
-                    f"state[{key!r}]: the checkpoint holds a tensor of shape {gshape} "
-                    f"sharded along dim {dim}; the live Sharded is a slice of "
-                    f"{target.global_shape} along dim {target.dim}"
-                )
-            lo, hi = target.offset, target.offset + target.length
-            shape = tuple(target.local.shape)
-        else:
-            target, lo, hi, shape = None, 0, gshape[dim], gshape
-        pieces[key] = [
-            r
-            for r in recs
-            if r["shard"]["offset"] < hi and lo < r["shard"]["offset"] + r["shape"][dim]
-        ]
-        targets[key] = (target, info | {"dtype": recs[0]["dtype"]})
-        placeholders[key] = torch.empty(
-            shape, dtype=_reader.dtype_of(recs[0]["dtype"]), device="meta"
-        )
+    for key, recs in boxed.items():
+        shape, dtype = _boxes.global_shape_of(recs[0]), recs[0]["dtype"]
+        what = "a DTensor" if "dtensor" in recs[0] else "a sharded tensor"
+        target = targets[key] = _target(key, live.get(key), shape, dtype, what)
+        pieces[key] = [r for r in recs if _boxes.intersect(target.box, _boxes.box_of(r))]
+        # Global shapes and dtypes are checked: the live leaf stands for itself.
+        placeholders[key] = live[key] if key in live else _meta(shape, dtype)
     for r in replicated + own:
-        placeholders[r["key"]] = (
-            torch.empty(r["shape"], dtype=_reader.dtype_of(r["dtype"]), device="meta")
-            if r["kind"] == "tensor"
-            else None
-        )
+        key = r["key"]
+        if r["kind"] != "tensor":
+            placeholders[key] = None
+        elif isinstance(live.get(key), Sharded) or _dtensor.is_dtensor(live.get(key)):
+            # A plain saved tensor into a DTensor or Sharded: this rank's region of it.
+            targets[key] = _target(key, live[key], tuple(r["shape"]), r["dtype"], "a tensor")
+            placeholders[key] = live[key]
+        else:
+            placeholders[key] = _meta(tuple(r["shape"]), r["dtype"])
     # An absent per-rank subtree leaves the live value as it is (_tree.restore).
     subtrees = {} if resized else {k: v[layout.dp_rank] for k, v in part["per_rank"].items()}
-    placements = {k: t for k, (t, _) in targets.items() if t is not None}
-    _tree.check(state, part["tree"], _tree.Values(placeholders, subtrees, placements))
-    sizes = [(r["key"], r["raw_length"], r["kind"] == "tensor") for r in replicated]
-    owner = (
-        _plan.assign(sizes, layout.dp_size)
-        if broadcast
-        else {r["key"]: layout.dp_rank for r in replicated}
+    _tree.check(state, part["tree"], _tree.Values(placeholders, subtrees))
+    return _Plan(part["tree"], subtrees, replicated, own, pieces, targets)
+
+
+def _meta(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    return torch.empty(shape, dtype=_reader.dtype_of(dtype), device="meta")
+
+
+def _split_reads(plan: _Plan, manifest: dict[str, Any], layout: Layout, broadcast: bool) -> None:
+    """Collective over the DP group when it broadcasts: who reads which record.
+
+    Every replicated record is needed by the whole DP group; a sharded or DTensor piece
+    by the ranks whose live region overlaps it, which the ranks tell each other here.
+    A record that two or more ranks of the group need is read by one of them (the
+    largest first, onto the least loaded) and broadcast; one that a single rank needs is
+    read by that rank. So a DP group reads each record it needs from storage once."""
+    me = layout.dp_rank
+    mine = sorted({id(r) for recs in plan.pieces.values() for r in recs})
+    if not broadcast or layout.dp_size == 1:
+        plan.shared = []
+        plan.owner = {id(r): me for r in plan.replicated}
+        return
+    index = {id(r): i for i, r in enumerate(manifest["records"])}
+    # Every rank of the DP group has the same part, so the same pieces in scope: skip the
+    # exchange together when there are none.
+    scoped = any(
+        _boxes.is_piece(r) and layout.part in _boxes.parts_of(r) for r in manifest["records"]
     )
-    return _Plan(part["tree"], subtrees, replicated, owner, own, pieces, targets)
+    needs: list[Any] = [[index[i] for i in mine]]
+    if scoped:
+        needs = [None] * layout.dp_size
+        dist.all_gather_object(needs, [index[i] for i in mine], group=layout.dp_group)
+    needers: dict[int, list[int]] = {}
+    for j, wanted in enumerate(needs):
+        for i in wanted:
+            needers.setdefault(i, []).append(j)
+    everyone = tuple(range(layout.dp_size))
+    shared = [(r, everyone) for r in plan.replicated]
+    shared += [
+        (manifest["records"][i], tuple(js)) for i, js in sorted(needers.items()) if len(js) > 1
+    ]
+    readers = _plan.assign_readers(
+        [(r["key"], r["raw_length"], r["kind"] == "tensor", js) for r, js in shared],
+        layout.dp_size,
+    )
+    plan.shared = [r for r, _ in shared]
+    plan.owner = {id(r): j for (r, _), j in zip(shared, readers, strict=True)}
 
 
 def _read(
@@ -139,12 +212,15 @@ def _aligned(n: int) -> int:
 
 
 def _broadcast(plan: _Plan, raw: dict[int, bytes], layout: Layout) -> dict[int, Any]:
-    """Phase 3: every replicated record, decoded (id(record) -> value), on every rank of
-    the DP group: one copy out of the bucket it travelled in."""
+    """Phase 3: every shared record this rank needs, decoded (id(record) -> value), on
+    every rank of the DP group that needs it: one copy out of the bucket it travelled in.
+    Every rank takes part in every bucket; a rank drops the pieces it does not need."""
     device = _plan.comm_device(layout.dp_group)
+    wanted = {id(r) for r in plan.replicated}
+    wanted |= {id(r) for recs in plan.pieces.values() for r in recs}
     got: dict[int, Any] = {}
     for j in range(layout.dp_size):
-        recs = [r for r in plan.replicated if plan.owner[r["key"]] == j]
+        recs = [r for r in plan.shared if plan.owner[id(r)] == j]
         start = 0
         while start < len(recs):
             end, total = start, 0
@@ -157,7 +233,8 @@ def _broadcast(plan: _Plan, raw: dict[int, bytes], layout: Layout) -> dict[int, 
             start = end
             if total == 0:  # only empty tensors: nothing to send
                 for r in bucket:
-                    got[id(r)] = _reader.decode(r, b"")
+                    if id(r) in wanted:
+                        got[id(r)] = _reader.decode(r, b"")
                     raw.pop(id(r), None)
                 continue
             buf = torch.empty(total, dtype=torch.uint8)
@@ -174,6 +251,8 @@ def _broadcast(plan: _Plan, raw: dict[int, bytes], layout: Layout) -> dict[int, 
             for r in bucket:  # the sender too: its values are views of the bucket it built
                 piece = buf[at : at + r["raw_length"]]
                 at += _aligned(r["raw_length"])
+                if id(r) not in wanted:
+                    continue
                 if r["kind"] == "tensor":
                     # Its own memory: an optimizer keeps the tensors it is given, which as
                     # views would pin the whole bucket.
@@ -183,15 +262,8 @@ def _broadcast(plan: _Plan, raw: dict[int, bytes], layout: Layout) -> dict[int, 
     return got
 
 
-def _assemble(key: str, plan: _Plan, raw: dict[int, bytes]) -> torch.Tensor:
-    """The slice a live Sharded asks for (or the whole tensor) from the pieces read."""
-    target, info = plan.targets[key]
-    got = [(r, _reader.decode(r, raw.pop(id(r)))) for r in plan.pieces[key]]
-    if target is None:
-        out = torch.empty(info["global_shape"], dtype=_reader.dtype_of(info["dtype"]))
-        return _reader.assemble(out, 0, info["dim"], got)
-    out = torch.empty_like(target.local, device="cpu")
-    return _reader.assemble(out, target.offset, info["dim"], got)
+def _value(r: dict[str, Any], received: dict[int, Any], raw: dict[int, bytes]) -> Any:
+    return received.pop(id(r)) if id(r) in received else _reader.decode(r, raw.pop(id(r)))
 
 
 def load_step(
@@ -208,7 +280,7 @@ def load_step(
     state cannot take this checkpoint) or CheckpointCorruptError, on every rank alike."""
     plan: _Plan | None = None
     try:
-        plan = _plan_load(manifest, state, layout, broadcast, keep_per_rank)
+        plan = _plan_load(manifest, state, layout, keep_per_rank)
         error = None
     except CheckpointError as e:
         error = (False, str(e))
@@ -216,8 +288,12 @@ def load_step(
         error = (True, f"{type(e).__name__}: {e}")
     _raise_agreed(error, layout)
     assert plan is not None
-    mine = [r for r in plan.replicated if plan.owner[r["key"]] == layout.dp_rank]
-    mine += plan.own + [r for recs in plan.pieces.values() for r in recs]
+    _split_reads(plan, manifest, layout, broadcast)
+    shared = {id(r) for r in plan.shared}
+    mine = [r for r in plan.shared if plan.owner[id(r)] == layout.dp_rank]
+    mine += [r for r in plan.replicated if id(r) not in shared]
+    mine += plan.own
+    mine += [r for recs in plan.pieces.values() for r in recs if id(r) not in shared]
     raw: dict[int, bytes] = {}
     try:
         raw = _read(fs, root, manifest, mine)
@@ -227,15 +303,20 @@ def load_step(
     except Exception as e:  # an I/O error: the others must not wait for this rank
         error = (False, f"{type(e).__name__}: {e}")
     _raise_agreed(error, layout)
-    received = _broadcast(plan, raw, layout) if broadcast and layout.dp_size > 1 else {}
+    received = _broadcast(plan, raw, layout) if plan.shared else {}
     values: dict[str, Any] = {}
     for r in plan.replicated + plan.own:
-        values[r["key"]] = (
-            received[id(r)] if id(r) in received else _reader.decode(r, raw.pop(id(r)))
-        )
-    for key in plan.pieces:
-        values[key] = _assemble(key, plan, raw)
-    placements = {k: t for k, (t, _) in plan.targets.items() if t is not None}
+        value = _value(r, received, raw)
+        target = plan.targets.get(r["key"])
+        if target is not None:  # a plain saved tensor into a DTensor: this rank's region
+            value = _reader.cut(value, *target.box).clone()
+        values[r["key"]] = value
+    for key, recs in plan.pieces.items():
+        target = plan.targets[key]
+        out = torch.empty(target.box[1], dtype=_reader.dtype_of(target.dtype))
+        got = [(_boxes.box_of(r), _value(r, received, raw)) for r in recs]
+        values[key] = _reader.assemble(out, target.box, got)
+    placements = {k: t.live for k, t in plan.targets.items() if t.live is not None}
     _tree.restore(state, plan.tree, _tree.Values(values, plan.per_rank, placements))
 
 

@@ -29,6 +29,8 @@ class Layout:
     nonce: str  # the same on every rank of one Checkpointer: names this job's saves
     group: Any = None
     dp_group: Any = None
+    # Global ranks of every part's DP group, by part: which part a DTensor's mesh rank is in.
+    groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def distributed(self) -> bool:
@@ -38,12 +40,18 @@ class Layout:
     def coordinator(self) -> bool:
         return self.rank == 0
 
+    @property
+    def global_rank(self) -> int:
+        return self.dp_ranks[self.dp_rank]
+
     def describe(self) -> dict[str, int]:
         return {"world_size": self.world_size, "dp_size": self.dp_size, "parts": self.parts}
 
 
-def single() -> Layout:
-    return Layout(0, 1, 0, 1, 0, 1, (0,), uuid.uuid4().hex)
+def single(global_rank: int = 0) -> Layout:
+    """One process saving alone (``global_rank``: its rank when torch.distributed runs)."""
+    me = (global_rank,)
+    return Layout(0, 1, 0, 1, 0, 1, me, uuid.uuid4().hex, groups=(me,))
 
 
 def discover(group: Any, dp_group: Any) -> Layout:
@@ -81,6 +89,7 @@ def discover(group: Any, dp_group: Any) -> Layout:
         nonce=gathered[0][2],
         group=group,
         dp_group=dp_group,
+        groups=tuple(groups),
     )
 
 
@@ -103,6 +112,61 @@ def assign(sizes: list[tuple[str, int, bool]], n: int) -> dict[str, int]:
         if not is_tensor:
             out[key] = zlib.crc32(key.encode()) % n
     return out
+
+
+def assign_readers(items: list[tuple[str, int, bool, tuple[int, ...]]], n: int) -> list[int]:
+    """For a load: which of ``n`` DP ranks reads each stored record from storage.
+
+    ``items``: (key, bytes, is_tensor, the DP ranks that need it), in the same order on
+    every rank. Tensors go largest first to the least loaded rank that needs them (ties:
+    the lower rank, then the earlier item); pickled values (replicated, needed by all)
+    by a hash of the key, as in ``assign``. Returns the reader of each item, in order.
+    """
+    load = [0] * n
+    out = [0] * len(items)
+    tensors = sorted((i for i, it in enumerate(items) if it[2]), key=lambda i: (-items[i][1], i))
+    for i in tensors:
+        _, size, _, needers = items[i]
+        j = min(needers, key=lambda r: (load[r], r))
+        out[i] = j
+        load[j] += size
+    for i, (key, _, is_tensor, needers) in enumerate(items):
+        if not is_tensor:
+            out[i] = needers[zlib.crc32(key.encode()) % len(needers)]
+    return out
+
+
+def dtensor_scope(
+    path: str, mesh_ranks: tuple[int, ...], layout: Layout, part_of: dict[int, int]
+) -> tuple[list[int], bool]:
+    """For a save: the parts a DTensor's mesh spans, and whether its piece is also held
+    outside the mesh by this rank's DP peers.
+
+    A mesh that contains this rank's whole DP group (ZeRO or FSDP over the "dp" mesh
+    dimension, or a mesh over every rank) holds all copies of a piece itself: its
+    Replicate dimensions say who else holds it. A mesh that meets the DP group only at
+    this rank (tensor parallelism inside one DP replica) is replicated across DP like any
+    unmarked value: one DP rank writes each piece. Anything between is refused.
+    ``part_of``: global rank -> part, from ``layout.groups``.
+    """
+    outside = sorted(r for r in mesh_ranks if r not in part_of)
+    if outside:
+        raise ValueError(
+            f"state[{path!r}]: the DTensor's mesh has ranks {outside} outside the ranks that "
+            f"save together ({sorted(part_of)}); save with a group that contains its mesh"
+        )
+    mesh, dp = set(mesh_ranks), set(layout.dp_ranks)
+    if dp <= mesh:
+        across = False
+    elif mesh & dp == {layout.global_rank}:
+        across = True
+    else:
+        raise ValueError(
+            f"state[{path!r}]: the DTensor's mesh (ranks {sorted(mesh)}) must contain this "
+            f"rank's whole data-parallel group (ranks {sorted(dp)}) or meet it only at this "
+            f"rank; it holds {sorted(mesh & dp)} of it"
+        )
+    return sorted({part_of[r] for r in mesh}), across
 
 
 def comm_device(group: Any) -> torch.device:

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 import zstandard
 
+from ms_ckpt import _boxes
 from ms_ckpt import _layout as L
-from ms_ckpt._writer import FORMAT, VERSION
+from ms_ckpt._boxes import Box
+from ms_ckpt._writer import FORMAT, READABLE
 from ms_ckpt.errors import CheckpointCorruptError
 
 
@@ -32,9 +34,9 @@ def read_manifest(fs: Any, root: str, step: int) -> dict[str, Any]:
     canon = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     if expected != zlib.crc32(canon.encode()):
         raise CheckpointCorruptError(f"{path}: manifest checksum mismatch")
-    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+    if doc.get("format") != FORMAT or doc.get("version") not in READABLE:
         raise CheckpointCorruptError(
-            f"{path}: format must be {FORMAT!r} version {VERSION}, "
+            f"{path}: format must be {FORMAT!r} version {' or '.join(map(str, READABLE))}, "
             f"got {doc.get('format')!r} version {doc.get('version')!r}"
         )
     if doc.get("step") != step:
@@ -43,8 +45,9 @@ def read_manifest(fs: Any, root: str, step: int) -> dict[str, Any]:
 
 
 def read_part(fs: Any, root: str, manifest: dict[str, Any], part: int = 0, dp_rank: int = 0) -> Any:
-    """One part of a step as plain values, every checksum verified: sharded tensors whole,
-    per-rank values those of ``dp_rank`` (for tools; training loads with ``load``)."""
+    """One part of a step as plain values, every checksum verified: sharded and DTensor
+    state whole, per-rank values those of ``dp_rank`` (for tools; training loads with
+    ``load``)."""
     from ms_ckpt import _tree
 
     parts = manifest["parts"]
@@ -58,36 +61,44 @@ def read_part(fs: Any, root: str, manifest: dict[str, Any], part: int = 0, dp_ra
     dctx = zstandard.ZstdDecompressor()
     sizes: dict[str, int] = {}
     values: dict[str, Any] = {}
-    pieces: dict[str, list[tuple[dict[str, Any], torch.Tensor]]] = {}
+    pieces: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for rec in manifest["records"]:
-        if rec["part"] != part:
-            continue
-        if "shard" not in rec and rec.get("dp_rank", dp_rank) != dp_rank:
-            continue  # another rank's per-rank value
+        if _boxes.is_piece(rec):
+            if part not in _boxes.parts_of(rec):  # a DTensor's pieces may come from any part
+                continue
+        elif rec["part"] != part or rec.get("dp_rank", dp_rank) != dp_rank:
+            continue  # another part's, or another rank's per-rank value
         value = decode(rec, verify_record(fs, directory, rec, codec, dctx, sizes))
-        if "shard" in rec:
-            pieces.setdefault(rec["key"], []).append((rec, value))
+        if _boxes.is_piece(rec):
+            pieces.setdefault(rec["key"], []).append((_boxes.box_of(rec), value))
+            shapes[rec["key"]] = (_boxes.global_shape_of(rec), value.dtype)
         else:
             values[rec["key"]] = value
     for key, got in pieces.items():
-        info = got[0][0]["shard"]
-        out = torch.empty(info["global_shape"], dtype=got[0][1].dtype)  # empty pieces too
-        values[key] = assemble(out, 0, info["dim"], got)
+        shape, dtype = shapes[key]
+        values[key] = assemble(torch.empty(shape, dtype=dtype), _boxes.whole(shape), got)
     subtrees = {k: v[dp_rank] for k, v in parts[part]["per_rank"].items()}
     return _tree.materialize(parts[part]["tree"], _tree.Values(values, subtrees))
 
 
-def assemble(
-    out: torch.Tensor, lo: int, dim: int, pieces: list[tuple[dict[str, Any], torch.Tensor]]
-) -> torch.Tensor:
-    """Fill ``out``, rows ``[lo, lo + out.shape[dim])`` along ``dim`` of a sharded tensor,
-    from the stored pieces (record, tensor) that overlap it."""
-    hi = lo + out.shape[dim]
-    for rec, piece in pieces:
-        p_lo = rec["shard"]["offset"]
-        a, b = max(lo, p_lo), min(hi, p_lo + piece.shape[dim])
-        if b > a:
-            out.narrow(dim, a - lo, b - a).copy_(piece.narrow(dim, a - p_lo, b - a))
+def cut(t: torch.Tensor, at: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+    """The view of ``t`` starting at ``at`` with ``size`` in each dimension."""
+    for d, (a, n) in enumerate(zip(at, size, strict=True)):
+        t = t.narrow(d, a, n)
+    return t
+
+
+def assemble(out: torch.Tensor, box: Box, pieces: list[tuple[Box, torch.Tensor]]) -> torch.Tensor:
+    """Fill ``out``, the region ``box`` of a global tensor, from the stored pieces (their
+    box, their tensor) that overlap it. Returns ``out``."""
+    for piece_box, piece in pieces:
+        common = _boxes.intersect(box, piece_box)
+        if common is None:
+            continue
+        lo, size = common
+        dst = cut(out, tuple(a - b for a, b in zip(lo, box[0], strict=True)), size)
+        dst.copy_(cut(piece, tuple(a - b for a, b in zip(lo, piece_box[0], strict=True)), size))
     return out
 
 

@@ -4,7 +4,8 @@ place (docs/format.md, "The tree").
 Every leaf that is not a JSON scalar becomes a record named by its path (``model/w``),
 and the skeleton refers to it by that key:
 
-``{"t": key}`` a tensor; ``{"h": key}`` a DP-sharded tensor (``Sharded``); ``{"p": key}``
+``{"t": key}`` a tensor; ``{"h": key}`` a DP-sharded tensor (``Sharded``); ``{"x": key}`` a
+``DTensor`` (its pieces are the records of ``key`` with a ``dtensor`` field); ``{"p": key}``
 a pickled value; ``{"v": x}`` a JSON scalar; ``{"d": [[k, node], ...]}`` a dict with
 str/int keys (``"m": key``: the pickle record of its ``_metadata``, which
 ``nn.Module.state_dict()`` carries); ``{"l": [...]}`` a list; ``{"u": [...]}`` a tuple;
@@ -23,21 +24,26 @@ from typing import Any, Literal
 
 import torch
 
+from ms_ckpt import _dtensor
 from ms_ckpt.errors import CheckpointError
 from ms_ckpt.placement import PerRank, Sharded
 from ms_ckpt.stateful import RNGState, Stateful
 
-Scope = Literal["replicated", "rank", "shard"]
+Scope = Literal["replicated", "rank", "shard", "dtensor"]
 
 
 @dataclass
 class Item:
-    """One record to write: ``value`` is a tensor or pickled bytes."""
+    """One record to write: ``value`` is a tensor or pickled bytes. A ``dtensor`` item is
+    this rank's local shard; whether this rank writes it is the layout's to decide
+    (``_plan.dtensor_scope``), from the mesh's ranks and ``replica_writer``."""
 
     key: str
     value: torch.Tensor | bytes
     scope: Scope
     shard: dict[str, Any] | None = None
+    mesh_ranks: tuple[int, ...] = ()
+    replica_writer: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +104,16 @@ def _dense(x: torch.Tensor, path: str) -> torch.Tensor:
 
 
 def _flatten(x: Any, path: str, flat: Flat, scope: Scope) -> dict[str, Any]:
+    if _dtensor.is_dtensor(x):  # before plain tensors: a DTensor is a torch.Tensor too
+        if scope == "rank":
+            raise TypeError(
+                f"state[{path!r}]: a DTensor cannot be inside per_rank(); its placements "
+                "already say which ranks hold what"
+            )
+        p = _dtensor.piece(x, path)
+        box: dict[str, Any] = {"global_shape": list(p.global_shape), "offset": list(p.offset)}
+        item = Item(path, _dense(p.local, path), "dtensor", box, p.mesh_ranks, p.replica_writer)
+        return {"x": flat.add(item)}
     if isinstance(x, torch.Tensor):
         return {"t": flat.add(Item(path, _dense(x, path), scope))}
     if isinstance(x, Sharded):
@@ -137,24 +153,30 @@ class Values:
     """What a skeleton's keys stand for on this rank: ``values[key]`` is a tensor or an
     unpickled value; ``per_rank[key]`` this rank's subtree of an ``{"r": key}`` node
     (absent: the per-rank value is not loaded, and the live one stays);
-    ``placements[key]`` the live ``Sharded`` an ``{"h": key}`` record is restored into
-    (absent: the whole tensor)."""
+    ``placements[key]`` the live ``Sharded`` or ``DTensor`` whose region ``values[key]``
+    holds, and which it is wrapped like (absent: the value as it is, a whole tensor)."""
 
     values: dict[str, Any]
     per_rank: dict[str, dict[str, Any]]
-    placements: dict[str, Sharded] = field(default_factory=dict)
+    placements: dict[str, Any] = field(default_factory=dict)
+
+
+def _placed(value: Any, live: Any) -> Any:
+    """``value``, this rank's region of a tensor, laid out like the live leaf it goes into."""
+    if live is None:
+        return value
+    if isinstance(live, Sharded):
+        return Sharded(value, live.global_shape, live.offset, live.dim)
+    return _dtensor.like(value, live)
 
 
 def materialize(node: dict[str, Any], v: Values) -> Any:
     """The value a skeleton node stands for."""
-    if "t" in node or "p" in node:
-        return v.values[node["t"] if "t" in node else node["p"]]
-    if "h" in node:
-        key = node["h"]
-        live = v.placements.get(key)
-        if live is None:
-            return v.values[key]
-        return Sharded(v.values[key], live.global_shape, live.offset, live.dim)
+    if "p" in node:
+        return v.values[node["p"]]
+    for kind in ("t", "h", "x"):
+        if kind in node:
+            return _placed(v.values[node[kind]], v.placements.get(node[kind]))
     if "r" in node:
         sub = v.per_rank.get(node["r"])
         return None if sub is None else materialize(sub, v)
@@ -175,8 +197,8 @@ def materialize(node: dict[str, Any], v: Values) -> Any:
 
 
 def walk_live(state: Any, visit: Callable[[str, Any], None], path: str = "") -> None:
-    """Call ``visit(path, leaf)`` for every tensor and Sharded of the live state, looking
-    through Stateful objects, per_rank wrappers, dicts, lists and tuples."""
+    """Call ``visit(path, leaf)`` for every tensor (DTensors too) and Sharded of the live
+    state, looking through Stateful objects, per_rank wrappers, dicts, lists and tuples."""
     if isinstance(state, (torch.Tensor, Sharded)):
         visit(path, state)
     elif isinstance(state, PerRank):
@@ -192,7 +214,10 @@ def walk_live(state: Any, visit: Callable[[str, Any], None], path: str = "") -> 
 
 
 def _tensor_of(x: Any) -> Any:
-    return x.local if isinstance(x, Sharded) else x
+    """The tensor a load writes into: a Sharded's slice, a DTensor's local shard."""
+    if isinstance(x, Sharded):
+        return x.local
+    return _dtensor.local(x) if _dtensor.is_dtensor(x) else x
 
 
 def _check_tensor(path: str, live: torch.Tensor, saved: torch.Tensor) -> None:
@@ -221,7 +246,8 @@ def _check_against(path: str, live: Any, saved: Any) -> None:
 
 def check(live: Any, node: dict[str, Any], v: Values, path: str = "") -> None:
     """Raise before anything is modified if ``live`` cannot take the checkpoint. ``v`` may
-    hold placeholders (meta tensors): only dtypes and shapes are compared."""
+    hold placeholders: meta tensors of the saved dtype and shape, or the live leaf itself
+    where the loader compared global shapes already (sharded and DTensor state)."""
     if isinstance(live, PerRank):
         live = live.value
     if "r" in node:
@@ -236,7 +262,7 @@ def check(live: Any, node: dict[str, Any], v: Values, path: str = "") -> None:
                 f"the live state has {type(live).__name__}"
             )
         _check_against(path, live.state_dict(), materialize(node, v))
-    elif ("t" in node or "h" in node) and isinstance(live, (torch.Tensor, Sharded)):
+    elif ("t" in node or "h" in node or "x" in node) and isinstance(live, (torch.Tensor, Sharded)):
         _check_tensor(path, _tensor_of(live), _tensor_of(materialize(node, v)))
     elif "d" in node and isinstance(live, dict):
         saved = {k: c for k, c in node["d"]}
@@ -261,7 +287,7 @@ def restore(live: Any, node: dict[str, Any], v: Values) -> Any:
             return restore(live, node["s"], v)
         live.load_state_dict(materialize(node, v))
         return live
-    if ("t" in node or "h" in node) and isinstance(live, (torch.Tensor, Sharded)):
+    if ("t" in node or "h" in node or "x" in node) and isinstance(live, (torch.Tensor, Sharded)):
         with torch.no_grad():
             _tensor_of(live).copy_(_tensor_of(materialize(node, v)))
         return live

@@ -23,11 +23,15 @@ from typing import Any
 
 import zstandard
 
+from ms_ckpt import _boxes
 from ms_ckpt import _layout as L
 from ms_ckpt._layout import ParentGone
 
 FORMAT = "ms-ckpt"
-VERSION = 1
+# Version 2 added DTensor pieces (docs/format.md). A step without one is written as
+# version 1, which readers before 0.4 still load.
+VERSION = 2
+READABLE = (1, 2)
 _CHUNK = 16 << 20  # bytes compressed per call: bounds the writer's extra memory
 # After a failed step rank 0 waits at most this long for the other ranks to finish with
 # the step's directory before removing it; a rank still silent then leaves it to retention.
@@ -231,12 +235,13 @@ def write_step(
     else:
         fragments = {}
     fragments[job["rank"]] = mine
+    merged = merge(fragments, job["world"])
     body = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if any("dtensor" in r for r in merged["records"]) else 1,
         "step": step,
         "compression": {"codec": codec, "level": job["level"] if codec == "zstd" else None},
-    } | merge(fragments, job["world"])
+    } | merged
     if not alive():
         raise ParentGone
     for name in fs.ls(directory, detail=False):  # temporaries of a crashed attempt
@@ -376,9 +381,13 @@ def _check_records(records: list[dict[str, Any]], n_parts: int) -> None:
     """Each replicated key once per part; each sharded key's pieces tile its tensor."""
     seen: set[tuple[int, str, int | None]] = set()
     pieces: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    dtensors: dict[str, dict[tuple[int, ...], list[dict[str, Any]]]] = {}
     for rec in records:
         ident = (rec["part"], rec["key"], rec.get("dp_rank"))
-        if "shard" in rec:
+        if "dtensor" in rec:
+            scope = tuple(rec["dtensor"]["parts"])
+            dtensors.setdefault(rec["key"], {}).setdefault(scope, []).append(rec)
+        elif "shard" in rec:
             pieces.setdefault((rec["part"], rec["key"]), []).append(rec)
         elif ident in seen:
             raise StepRefused(f"part {rec['part']}: key {rec['key']!r} was written twice")
@@ -409,6 +418,36 @@ def _check_records(records: list[dict[str, Any]], n_parts: int) -> None:
             raise StepRefused(
                 f"part {part}: the DP ranks' slices of {key!r} cover [0, {covered}) of "
                 f"{size} along dim {dim}"
+            )
+    for key, scopes in dtensors.items():
+        _check_dtensor(key, scopes)
+
+
+def _check_dtensor(key: str, scopes: dict[tuple[int, ...], list[dict[str, Any]]]) -> None:
+    """The pieces of one DTensor: each part in one global tensor (scope), and each scope's
+    pieces agree on the global tensor and tile it once."""
+    claimed: dict[int, tuple[int, ...]] = {}
+    for scope, recs in scopes.items():
+        for p in scope:
+            if p in claimed:
+                raise StepRefused(
+                    f"DTensor {key!r}: part {p} holds pieces of two global tensors, on meshes "
+                    f"over parts {list(claimed[p])} and {list(scope)}"
+                )
+            claimed[p] = scope
+        shape, dtype = _boxes.global_shape_of(recs[0]), recs[0]["dtype"]
+        for rec in recs:
+            if (_boxes.global_shape_of(rec), rec["dtype"]) != (shape, dtype):
+                raise StepRefused(
+                    f"DTensor {key!r} (parts {list(scope)}): the ranks' pieces disagree on "
+                    f"the global tensor ({list(_boxes.global_shape_of(rec))} {rec['dtype']} "
+                    f"vs {list(shape)} {dtype})"
+                )
+        why = _boxes.tiling_error(shape, [_boxes.box_of(r) for r in recs])
+        if why is not None:
+            raise StepRefused(
+                f"DTensor {key!r} (parts {list(scope)}): the saved pieces must tile its "
+                f"global shape {list(shape)} once: {why}"
             )
 
 

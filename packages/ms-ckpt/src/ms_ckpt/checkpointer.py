@@ -78,9 +78,10 @@ class Checkpointer:
 
     With several processes every rank of ``group`` constructs it and calls ``save`` and
     ``load`` with the same steps (both are collective). The ranks of one data-parallel
-    group (``dp_group``) hold the same state, except values marked ``per_rank`` and
-    ``Sharded`` slices (see ``ms_ckpt.placement``): each replicated tensor is copied and
-    written by one rank of the group, and on load read by one rank and broadcast.
+    group (``dp_group``) hold the same state, except values marked ``per_rank``,
+    ``DTensor`` pieces and ``Sharded`` slices (see ``ms_ckpt.placement``): each replicated
+    tensor, and each distinct piece of a DTensor, is copied and written by one rank, and
+    on load read by one rank of the DP group and broadcast to the ranks that need it.
 
     Args:
         url: root of the checkpoints; step ``N`` lives in ``<url>/step-0000000N/``. Every
@@ -269,17 +270,37 @@ class Checkpointer:
         return handle
 
     def _stage1(self, step: int, state: dict[str, Any], lay: _plan.Layout) -> dict[str, Any]:
-        """Flatten, copy this rank's tensors into the host pool, and describe the job."""
+        """Flatten, copy this rank's tensors into the host pool, and describe the job.
+
+        Of a DTensor only the local shard is copied, and only where this rank writes it:
+        each distinct piece of the global tensor is written by one rank (the replicas
+        along its Replicate mesh dimensions, and across DP when the mesh lies inside one
+        DP replica, leave it to one of them)."""
         flat = _tree.flatten(state)
+        part_of = {r: p for p, ranks in enumerate(lay.groups) for r in ranks}
+        across: set[str] = set()  # DTensor pieces that this rank's DP peers hold too
+        for it in flat.items:
+            if it.scope == "dtensor":
+                parts, dp_copies = _plan.dtensor_scope(it.key, it.mesh_ranks, lay, part_of)
+                assert it.shard is not None
+                it.shard["parts"] = parts
+                if dp_copies and it.replica_writer:
+                    across.add(it.key)
         owner = _plan.assign(
             [
                 (it.key, it.nbytes, isinstance(it.value, torch.Tensor))
                 for it in flat.items
-                if it.scope == "replicated"
+                if it.scope == "replicated" or it.key in across
             ],
             lay.dp_size,
         )
-        mine = [it for it in flat.items if it.scope != "replicated" or owner[it.key] == lay.dp_rank]
+
+        def writes(it: _tree.Item) -> bool:
+            if it.scope == "replicated" or it.key in across:
+                return owner[it.key] == lay.dp_rank
+            return it.scope != "dtensor" or it.replica_writer
+
+        mine = [it for it in flat.items if writes(it)]
         tensor_items = [it for it in mine if isinstance(it.value, torch.Tensor)]
         records = stage1_copy(
             self._pool,
@@ -445,8 +466,11 @@ class Checkpointer:
         Collective with several ranks: rank 0 picks the step and reads the manifest;
         each replicated record is read by one rank of each DP group and broadcast to
         the group (``broadcast=False``: every rank reads everything it needs itself).
-        A different data-parallel size reshards ``Sharded`` state; a layout that cannot
-        take the checkpoint raises ``CheckpointError`` naming what changed.
+        A live ``DTensor`` (or ``Sharded``) gets the region of the saved global tensor
+        its local shard covers, whatever data-parallel size, mesh or placements saved
+        it; a plain tensor gets the whole tensor. A layout that cannot take the
+        checkpoint, or a different global shape or dtype, raises ``CheckpointError``
+        naming what changed.
 
         Per-rank values (``per_rank``, ``rng_state()``) have no counterpart on the ranks
         of a different data-parallel size. ``per_rank="refuse"`` raises
@@ -604,6 +628,8 @@ def _placement(item: _tree.Item, layout: _plan.Layout) -> dict[str, Any]:
         return {}
     if item.scope == "rank":
         return {"dp_rank": layout.dp_rank}
+    if item.scope == "dtensor":
+        return {"dp_rank": layout.dp_rank, "dtensor": item.shard}
     return {"dp_rank": layout.dp_rank, "shard": item.shard}
 
 
@@ -632,5 +658,5 @@ def _make_layout(group: Any, dp_group: Any, mesh: Any, dp_dim: str | int) -> _pl
     group = world if group is None else group
     dp_group = group if dp_group is None else dp_group
     if dist.get_world_size(group) == 1:
-        return _plan.single()
+        return _plan.single(dist.get_rank())
     return _plan.discover(group, dp_group)

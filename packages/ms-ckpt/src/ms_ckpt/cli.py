@@ -193,6 +193,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"records: {len(records)} ({n_t} tensor, {len(records) - n_t} pickle), "
         f"stored {stored} B, raw {raw} B"
     )
+    pieces = [r for r in records if "dtensor" in r]
+    if pieces:
+        n_keys = len({(tuple(r["dtensor"]["parts"]), r["key"]) for r in pieces})
+        print(f"dtensors: {n_keys} global tensors in {len(pieces)} pieces (each piece once)")
 
     dctx = zstandard.ZstdDecompressor()
     sizes: dict[str, int] = {}
@@ -234,7 +238,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _place(rec: dict[str, Any]) -> str:
-    """replicated, a DP rank's own value, or a DP rank's slice [a, b) of dim d."""
+    """replicated, a DP rank's own value, a DP rank's slice [a, b) of dim d, or the box of
+    a DTensor's global tensor that a piece holds (and the parts its mesh spans, when it
+    spans more than the writer's)."""
+    if "dtensor" in rec:
+        d = rec["dtensor"]
+        box = ", ".join(f"{o}:{o + n}" for o, n in zip(d["offset"], rec["shape"], strict=True))
+        parts = "" if d["parts"] == [rec["part"]] else f", parts {d['parts']}"
+        return f"dtensor [{box}] of {tuple(d['global_shape'])}{parts}, by dp {rec['dp_rank']}"
     if "shard" in rec:
         s = rec["shard"]
         a = s["offset"]

@@ -9,6 +9,10 @@ Every value in the saved state is *replicated* across the DP group unless marked
   group (ZeRO optimizer state). On load each rank gets the slice its live ``Sharded``
   asks for, so a checkpoint saved with DP 4 loads with DP 2; a plain tensor at that
   path gets the whole tensor.
+
+New code should hold sharded state as PyTorch's own ``DTensor`` instead, which needs no
+marking: its mesh and placements say which rank holds what, on any mesh and for any
+tensor dimension. ``Sharded`` keeps working, and the two reshard into each other.
 """
 
 from __future__ import annotations
