@@ -74,10 +74,11 @@ def _train(config: Config) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_two_ranks_match_one_process(corpus: Path, tmp_path: Path) -> None:
-    """20 steps of the same global batch: DDP over 2 gloo ranks (no accumulation) and one
-    process (2 accumulated micro-batches) follow the same loss trajectory."""
-    steps = ["train.steps=20", "checkpoint.resume=false"]
+@pytest.mark.parametrize("engine", ["zero", "ddp"])
+def test_two_ranks_match_one_process(corpus: Path, tmp_path: Path, engine: str) -> None:
+    """20 steps of the same global batch: the engine over 2 gloo ranks (no accumulation)
+    and one process (2 accumulated micro-batches) follow the same loss trajectory."""
+    steps = ["train.steps=20", "checkpoint.resume=false", f"parallel.engine={engine}"]
     env = {"OMP_NUM_THREADS": "1"}
     one = run_ranks(
         _train, 1, args=(_config(corpus, tmp_path / "one", *steps),), timeout=180, env=env

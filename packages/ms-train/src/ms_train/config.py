@@ -282,7 +282,7 @@ class ParallelConfig:
     pp: int = attrs.field(default=1, validator=_positive_int("parallel"))
     virtual_stages: int = attrs.field(default=1, validator=_positive_int("parallel"))
     engine: Literal["zero", "ddp"] = attrs.field(
-        default="ddp", validator=_choice("parallel", ("zero", "ddp"))
+        default="zero", validator=_choice("parallel", ("zero", "ddp"))
     )
     bucket_mb: float = attrs.field(
         default=25.0, validator=_float("parallel", low=0.0, low_open=True)
