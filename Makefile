@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 DIST ?= dist
 BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak clean
+.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-parallel clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -93,6 +93,10 @@ bench-ckpt: $(STAMP)
 
 bench-train: $(STAMP)
 	$(BIN)/python tools/bench/train/throughput.py --reps 8
+
+# DDP and FSDP2 step time under injected latency, over the compute-only step (issue 15).
+bench-parallel: $(STAMP)
+	$(BIN)/python tools/bench/parallel/overlap.py --rounds 3
 
 # Random SIGKILLs of a 2-rank job across saves, reruns, leftovers (issue 14's soak).
 bench-kill-soak: $(STAMP)
