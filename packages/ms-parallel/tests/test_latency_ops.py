@@ -258,6 +258,21 @@ def rank_ops() -> dict[str, Any]:
     t = torch.ones(1)
     dist.all_reduce(t, group=pg)
     out["after_hook_error"] = t.item()
+    # 5. callbacks on an op's future see its result; one that waits on a later op of the
+    #    same group (it runs on the completion thread) gets an error instead of a hang
+    net.set_latency(all_reduce=1.0)  # both issued and the callbacks attached long before
+    first = dist.all_reduce(torch.full((2,), float(rank)), group=pg, async_op=True)
+    second = dist.all_reduce(torch.ones(1), group=pg, async_op=True)
+    assert first is not None and second is not None
+    doubled = first.get_future().then(lambda f: f.value()[0] * 2)
+    nested = first.get_future().then(lambda f: second.wait())
+    out["callback_value"] = doubled.wait()
+    try:
+        nested.wait()
+        out["nested_error"] = None
+    except RuntimeError as e:
+        out["nested_error"] = str(e)
+    second.wait()
     out["threads"] = [th.name for th in threading.enumerate()]
     out["events"] = [(e.name, e.kind, e.t, dict(e.attrs)) for e in log.events]
     return out
@@ -445,3 +460,12 @@ def test_latency_as_default_backend_and_a_process_that_never_destroys_exits() ->
         assert outcome.value == {"group": "LatencyProcessGroup", "sum": [2.0, 2.0], "pending": True}
         # the completion thread is a daemon: the process exits on its own, code 0
         assert outcome.exitcode == 0, outcome
+
+
+def test_future_callbacks_get_the_result_and_a_nested_wait_is_refused(
+    ops_run: list[dict[str, Any]],
+) -> None:
+    for r in ops_run:
+        assert torch.equal(r["callback_value"], torch.full((2,), 2.0))  # (0 + 1) * 2
+        assert r["nested_error"] is not None
+        assert "waited for inside a callback of an earlier op" in r["nested_error"]

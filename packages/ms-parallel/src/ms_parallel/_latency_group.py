@@ -11,9 +11,11 @@ latency instead of adding it up, and the caller never sleeps.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,13 +43,26 @@ class _LatencyWork(dist.Work):
     a finite timeout; this one honours it, as gloo's own works do.
     """
 
-    def __init__(self, future: torch.futures.Future[list[torch.Tensor]], what: str) -> None:
+    def __init__(
+        self,
+        future: torch.futures.Future[list[torch.Tensor]],
+        what: str,
+        completer: threading.Thread,
+    ) -> None:
         super().__init__()
         self._future = future
         self._done = threading.Event()
         self._what = what
+        self._completer = completer
 
     def wait(self, timeout: timedelta = _NO_TIMEOUT) -> bool:
+        if not self._done.is_set() and threading.current_thread() is self._completer:
+            # Callbacks on a completed op's future (Future.then, DDP comm hooks) run on
+            # the completion thread, which must complete this op first: say so, not hang.
+            raise RuntimeError(
+                f"{self._what} was waited for inside a callback of an earlier op of its "
+                "group, on the thread that completes both; wait outside the callback"
+            )
         # c10d's kNoTimeout (0 ms) means "wait as long as it takes".
         seconds = timeout.total_seconds()
         if seconds > 0 and not self._done.wait(seconds):
@@ -104,26 +119,89 @@ class _Pending:
 
 
 class _Completer:
-    """A daemon thread that completes one group's ops in issue order."""
+    """A daemon thread that completes one group's ops in issue order.
 
-    def __init__(self, name: str, finish: Callable[[_Pending], None]) -> None:
+    For each op it waits for the gloo work, then for the deadline, then hands the op to
+    ``complete`` (which fulfils the op's work). ``close`` lets it finish what is queued;
+    ``stop`` (abort, interpreter exit) drops what is queued: nobody waits any more.
+    """
+
+    def __init__(
+        self, name: str, complete: Callable[[_Pending, BaseException | None], None]
+    ) -> None:
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
-        self._finish = finish
+        self._complete = complete
+        self._stopping = threading.Event()
         # Daemon: a process that forgets destroy_process_group() must still exit.
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
 
     def put(self, pending: _Pending) -> None:
         self._queue.put(pending)
 
     def close(self, timeout: float) -> None:
         self._queue.put(None)
+        self._join(timeout)
+
+    def stop(self, timeout: float) -> None:
+        self._stopping.set()
+        self._queue.put(None)
+        self._join(timeout)
+
+    def _join(self, timeout: float) -> None:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def _run(self) -> None:
         while (pending := self._queue.get()) is not None:
-            self._finish(pending)
+            if not self._stopping.is_set():
+                self._wait_for(pending)
+
+    def _wait_for(self, pending: _Pending) -> None:
+        error: BaseException | None = None
+        for work in pending.inner:
+            try:
+                work.wait()
+            except BaseException as e:  # the waiter gets the inner op's error
+                error = error or e
+        # Until perf_counter itself says the deadline has passed: the bound is "no
+        # earlier than", and a timed wait may end a hair early on another clock.
+        while (left := pending.deadline - time.perf_counter()) > 0:
+            if self._stopping.wait(left):
+                return
+        self._complete(pending, error)
+
+
+# The groups still open when the interpreter exits are closed first. Finalization must
+# not catch a thread inside torch's C++ holding the last reference to a Python object:
+# our completion thread (fulfilling a future), or a gloo worker thread dropping a finished
+# work whose tensors it then frees; either aborts the process ("terminate called without
+# an active exception"). So the completion thread is stopped and joined, then the gloo
+# backend is released, whose destructor joins gloo's worker threads.
+_EXIT_JOIN_S = 5.0
+_open_groups: weakref.WeakSet[LatencyProcessGroup] = weakref.WeakSet()
+_open_lock = threading.Lock()
+_exit_hook_registered = False
+
+
+def _track(group: LatencyProcessGroup) -> None:
+    global _exit_hook_registered
+    with _open_lock:
+        _open_groups.add(group)
+        if not _exit_hook_registered:  # registered with the first group, not at import
+            atexit.register(_close_all_at_exit)
+            _exit_hook_registered = True
+
+
+def _close_all_at_exit() -> None:
+    with _open_lock:
+        groups = list(_open_groups)
+    for group in groups:
+        group._release(_EXIT_JOIN_S)
 
 
 def _opts(opts: Any, default: Callable[[], Any]) -> Any:
@@ -166,6 +244,7 @@ class LatencyProcessGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._completer: _Completer | None = None
         self._closed = False
+        _track(self)
 
     # -- identity ------------------------------------------------------------------
 
@@ -194,7 +273,7 @@ class LatencyProcessGroup(dist.ProcessGroup):
 
     @property
     def inner(self) -> c10d.Backend:
-        """The real gloo backend every op runs on."""
+        """The real gloo backend every op runs on (released at interpreter exit)."""
         backend: c10d.Backend = self._inner
         return backend
 
@@ -375,20 +454,32 @@ class LatencyProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Complete what was issued, stop the completion thread, shut the inner group."""
-        with self._lock:
-            completer, self._completer = self._completer, None
-            self._closed = True
+        completer, inner = self._close()
         if completer is not None:
             completer.close(_SHUTDOWN_JOIN_S)
-        self._inner.shutdown()
+        if inner is not None:
+            inner.shutdown()
 
     def abort(self) -> None:
+        completer, inner = self._close()
+        if completer is not None:
+            completer.stop(0.0)
+        if inner is not None:
+            inner.abort()
+
+    def _release(self, timeout: float) -> None:
+        """At interpreter exit: drop what is queued, stop the thread, free the gloo backend."""
+        completer, _ = self._close()
+        if completer is not None:
+            completer.stop(timeout)
+        with self._lock:
+            self._inner = None  # the last reference: its destructor joins gloo's threads
+
+    def _close(self) -> tuple[_Completer | None, Any]:
         with self._lock:
             completer, self._completer = self._completer, None
             self._closed = True
-        if completer is not None:
-            completer.close(0.0)
-        self._inner.abort()
+            return completer, self._inner
 
     # -- the mechanism -------------------------------------------------------------
 
@@ -406,12 +497,17 @@ class LatencyProcessGroup(dist.ProcessGroup):
         # even when several threads issue (DDP's reducer runs on autograd's thread).
         with self._lock:
             if self._closed:
-                raise RuntimeError(f"{self!r} was shut down; {method} cannot run on it")
+                raise RuntimeError(
+                    f"{self!r} was shut down (destroy_process_group, abort or interpreter "
+                    f"exit); {method} cannot run on it"
+                )
             t_issue = time.perf_counter()
             inner = issue()  # a bad argument raises here, in the caller, as with gloo
             seq = self._seq
             self._seq += 1
             what = f"{method} #{seq} on {self._backend.name} group {self._group_name!r}"
+            if self._completer is None:
+                self._completer = _Completer(f"ms-latency-{self._group_name}", self._complete_op)
             pending = _Pending(
                 op=op,
                 method=method,
@@ -421,29 +517,17 @@ class LatencyProcessGroup(dist.ProcessGroup):
                 latency=latency,
                 inner=inner,
                 outputs=list(outputs),
-                work=_LatencyWork(torch.futures.Future(), what),
+                work=_LatencyWork(torch.futures.Future(), what, self._completer.thread),
                 attrs=attrs,
             )
             # The issue event goes out before the op is queued, so that a log never
             # holds an op's completion before its issue.
             self._emit(pending, "issue", t_issue)
-            if self._completer is None:
-                self._completer = _Completer(f"ms-latency-{self._group_name}", self._finish)
             self._completer.put(pending)
         return pending.work
 
-    def _finish(self, pending: _Pending) -> None:
-        """On the completion thread: wait for the real op, then the deadline, then complete."""
-        error: BaseException | None = None
-        for work in pending.inner:
-            try:
-                work.wait()
-            except BaseException as e:  # the waiter gets the inner op's error
-                error = error or e
-        # Sleep until perf_counter itself says the deadline has passed: the bound is
-        # "no earlier than", and a sleep may end a hair early on another clock.
-        while (left := pending.deadline - time.perf_counter()) > 0:
-            time.sleep(left)
+    def _complete_op(self, pending: _Pending, error: BaseException | None) -> None:
+        """On the completion thread, at or after the op's deadline: report and complete."""
         extra = {} if error is None else {"error": type(error).__name__}
         try:
             self._emit(pending, "complete", time.perf_counter(), **extra)

@@ -35,7 +35,8 @@ from typing import Any, TypeAlias
 
 __all__ = ["EVENT_KINDS", "Event", "EventHook", "EventLog"]
 
-#: ``hook(name, kind, t, **attrs)``; see the module docstring for the kinds.
+#: ``hook(name, kind, t, **attrs)``, the first three passed by position; see the module
+#: docstring for the kinds.
 EventHook: TypeAlias = Callable[..., None]
 
 #: The kinds ms-parallel emits; an :class:`EventLog` records any string.
@@ -80,7 +81,8 @@ class EventLog:
         self._lock = threading.Lock()
         self._events: list[Event] = []
 
-    def __call__(self, name: str, kind: str, t: float, **attrs: Any) -> None:
+    def __call__(self, name: str, kind: str, t: float, /, **attrs: Any) -> None:
+        # Positional-only: an attr may itself be called "name", "kind" or "t".
         if not isinstance(name, str) or not isinstance(kind, str):
             raise TypeError(f"name and kind must be str, got {name!r} and {kind!r}")
         event = Event(name, kind, float(t), attrs)
@@ -91,7 +93,7 @@ class EventLog:
         """The recorder's clock."""
         return self.clock()
 
-    def mark(self, name: str, kind: str, **attrs: Any) -> float:
+    def mark(self, name: str, kind: str, /, **attrs: Any) -> float:
         """Record an event at the clock's current time; return that time."""
         t = self.clock()
         self(name, kind, t, **attrs)
