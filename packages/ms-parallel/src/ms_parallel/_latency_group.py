@@ -56,7 +56,7 @@ class _LatencyWork(dist.Work):
         self._completer = completer
 
     def wait(self, timeout: timedelta = _NO_TIMEOUT) -> bool:
-        if not self._done.is_set() and threading.current_thread() is self._completer:
+        if not self._future.done() and threading.current_thread() is self._completer:
             # Callbacks on a completed op's future (Future.then, DDP comm hooks) run on
             # the completion thread, which must complete this op first: say so, not hang.
             raise RuntimeError(
@@ -76,10 +76,10 @@ class _LatencyWork(dist.Work):
         return self._future
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._future.done()
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self.exception() is None
+        return self._future.done() and self.exception() is None
 
     def exception(self) -> BaseException | None:
         if not self._future.done():
@@ -94,12 +94,13 @@ class _LatencyWork(dist.Work):
         return self._future.wait()
 
     def _complete(self, value: list[torch.Tensor], error: BaseException | None) -> None:
-        # The event first: a waiter woken by the future must find is_completed() true.
-        self._done.set()
+        # The future first (it runs its callbacks inline), then the event that timed
+        # waits watch: whoever wakes finds the result there.
         if error is None:
             self._future.set_result(value)
         else:
             self._future.set_exception(error)  # type: ignore[arg-type]
+        self._done.set()
 
 
 @dataclass
@@ -286,6 +287,8 @@ class LatencyProcessGroup(dist.ProcessGroup):
     # -- collectives ---------------------------------------------------------------
     # Each method keeps c10d's signature (the C++ trampoline and distributed_c10d call
     # them positionally, barrier with opts= as a keyword) and issues the same op on gloo.
+    # torch's stubs also list Python-side overloads that c10d never calls on a group,
+    # hence the ignored override checks.
 
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         o = _opts(opts, c10d.AllreduceOptions)
