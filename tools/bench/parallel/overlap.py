@@ -43,7 +43,8 @@ the timed steps over ``--steps``. Reported per L: median and min-max of the step
 and the ratio to the floor (the median over rounds of candidate / floor of the same
 round, with min-max), the collectives issued per step and their bytes (this rank's
 input bytes, from the backend's event hook), and, for L > 0 when L = 0 was swept too,
-the latency exposed per step: (median step at L - median step at 0) / L, in units of L.
+the latency exposed per step: (median step at L - median step at 0) / L, in units of L
+(for the floor, which communicates nothing, this figure is the run's noise).
 
 Prints a table per L and writes a JSON record (machine info, versions, parameters,
 every repetition of every rank) to ``--out`` (default
