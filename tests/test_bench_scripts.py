@@ -168,9 +168,9 @@ def test_kill_soak_smoke_kills_once_and_finds_nothing_left(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path: Path) -> None:
-    """Two gloo ranks run the compute-only floor, torch DDP and torch FSDP2 under no added
-    latency and under one block's forward; the JSON holds each one's ratio to the floor
-    and the collectives it issued on the latency backend."""
+    """Two gloo ranks run the compute-only floor, torch DDP and torch FSDP2 (two ways)
+    under no added latency and under one block's forward; the JSON holds each one's ratio
+    to the floor and the collectives it issued on the latency backend."""
     out = tmp_path / "out" / "parallel_overlap.json"
     proc = _run_bench("parallel/overlap.py", "--smoke", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -184,12 +184,18 @@ def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path:
     assert [s["latency_s"] for s in record["summary"]] == [0.0, block]
     for s in record["summary"]:
         rows = s["candidates"]
-        assert list(rows) == ["compute only (floor)", "torch DDP", "torch FSDP2 ZeRO-2"]
+        assert list(rows) == [
+            "compute only (floor)",
+            "torch DDP",
+            "torch FSDP2 ZeRO-2",
+            "torch FSDP2 ZeRO-2, async AG",
+        ]
         assert rows["compute only (floor)"]["ratio_to_floor"] == 1.0
         assert rows["compute only (floor)"]["collectives_by_type"] == {}
         assert rows["torch DDP"]["collectives_by_type"]["all_reduce"] >= 1
-        fsdp = rows["torch FSDP2 ZeRO-2"]["collectives_by_type"]
-        assert fsdp["all_gather"] >= 2 and fsdp["reduce_scatter"] >= 2  # 2 blocks
+        for name in ("torch FSDP2 ZeRO-2", "torch FSDP2 ZeRO-2, async AG"):
+            fsdp = rows[name]["collectives_by_type"]
+            assert fsdp["all_gather"] >= 2 and fsdp["reduce_scatter"] >= 2  # 2 blocks
         for row in rows.values():
             assert row["median_step_s"] > 0 and len(row["ratio_per_round"]) == 1
     # every repetition keeps every rank's own step times

@@ -25,6 +25,12 @@ parameters, fp32), 1,024 random tokens (rows) per rank against random targets, M
    prefetching: block i prefetches block i+1's all-gather in forward
    (``set_modules_to_forward_prefetch``) and block i-1's in backward
    (``set_modules_to_backward_prefetch``).
+4. **torch FSDP2 ZeRO-2, async AG**: the same, with ``_set_unshard_async_op(True)``
+   (private in torch 2.13). FSDP2 calls its collectives with ``async_op=False``, which on
+   a GPU still runs them on a NCCL stream, asynchronous to the host, but on CPU gloo
+   blocks the caller: candidate 3 cannot overlap anything here. This switch makes the
+   (prefetched) all-gathers asynchronous; the reduce-scatters stay blocking on CPU (no
+   switch exists), so FSDP2 on CPU is at a disadvantage a GPU would not give it.
 
 A candidate is a function ``(model, comm, config) -> step``, where ``step(x, y)`` runs one
 forward, backward and optimizer step; adding one (ms ZeRO-2) is one function and one
@@ -165,10 +171,22 @@ def torch_fsdp2_zero2(model: nn.Sequential, comm: Comm, config: BenchConfig) -> 
     return training_step(model, make_optimizer(model.parameters(), config))
 
 
+def torch_fsdp2_zero2_async(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
+    step = torch_fsdp2_zero2(model, comm, config)
+    # FSDP2 issues its all-gathers with async_op=False: on a GPU still asynchronous to
+    # the host (NCCL runs on a stream), on CPU gloo a blocking wait, so no prefetch can
+    # overlap. This switch (private in torch 2.13) issues them async and waits before
+    # the block's forward. Its reduce-scatters stay blocking on CPU: no switch exists.
+    assert isinstance(model, FSDPModule)
+    model._set_unshard_async_op(True)
+    return step
+
+
 CANDIDATES: dict[str, Candidate] = {
     FLOOR: compute_only,
     "torch DDP": torch_ddp,
     "torch FSDP2 ZeRO-2": torch_fsdp2_zero2,
+    "torch FSDP2 ZeRO-2, async AG": torch_fsdp2_zero2_async,
 }
 
 
