@@ -273,7 +273,6 @@ def rank_ops() -> dict[str, Any]:
     except RuntimeError as e:
         out["nested_error"] = str(e)
     second.wait()
-    out["threads"] = [th.name for th in threading.enumerate()]
     out["events"] = [(e.name, e.kind, e.t, dict(e.attrs)) for e in log.events]
     return out
 

@@ -8,8 +8,7 @@ communication behind compute keeps its step time as ``L`` grows, one that waits 
 after issuing pays ``L`` per op. It is a backend, not a wrapper around ms code, so that
 torch's DDP and FSDP2 run under the same injected network::
 
-    import torch._C._distributed_c10d as c10d
-import torch.distributed as dist
+    import torch.distributed as dist
     from ms_parallel.latency import register_latency_backend
 
     net = register_latency_backend("latency", latency={"default": 0.02, "barrier": 0})
@@ -29,6 +28,13 @@ Semantics of every op (collective or point to point) on a group of this backend:
 - ``work.wait(timeout)`` raises ``torch.distributed.DistBackendError`` when the op has not
   completed within ``timeout``, like gloo's works.
 
+Callbacks on an op's future (``Future.then``, DDP comm hooks) run on the group's
+completion thread, in completion order; one that waits for a later op of the same group
+gets a ``RuntimeError`` (that op cannot complete before the callback returns). Groups
+take CPU tensors only (gloo). ``destroy_process_group`` completes what was issued and
+stops the thread; groups still open at interpreter exit are closed by an exit hook that
+the first group registers.
+
 Registration is explicit and process-wide (c10d's backend table is): registering a name
 again updates that name's latencies and hook, and returns the same handle; a name c10d
 already knows that this module did not register (``gloo``, ``nccl``, ...) is refused.
@@ -41,7 +47,6 @@ import re
 import threading
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
 
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
@@ -80,12 +85,17 @@ _registered: dict[str, LatencyBackend] = {}
 class LatencyBackend:
     """The handle of one registered latency backend: its latencies and its event hook.
 
-    Every group of the backend reads them at each op's issue, so a change applies to the
-    ops issued after it, in every group already created and every group created later.
+    Made by :func:`register_latency_backend`. Every group of the backend reads them at
+    each op's issue, so a change applies to the ops issued after it, in every group
+    already created and every group created later.
     """
 
     def __init__(
-        self, name: str, inner: str, latency: float | Mapping[str, float], on_event: Any
+        self,
+        name: str,
+        inner: str,
+        latency: float | Mapping[str, float],
+        on_event: EventHook | None,
     ) -> None:
         self._name = name
         self._inner = inner
