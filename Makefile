@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 DIST ?= dist
 BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh clean
+.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -98,6 +98,14 @@ bench-train: $(STAMP)
 # group and init_device_mesh, with torch's per-group init barrier off and on (issue 15).
 bench-mesh: $(STAMP)
 	$(BIN)/python tools/bench/parallel/mesh_init.py --reps 11
+
+# ms ZeRO-2, DDP and FSDP2 step time under injected latency, over the compute-only step.
+bench-parallel: $(STAMP)
+	$(BIN)/python tools/bench/parallel/overlap.py --rounds 5
+
+# Memory per rank of a ~100M-parameter model: ms ZeRO-2 against DDP.
+bench-parallel-memory: $(STAMP)
+	$(BIN)/python tools/bench/parallel/memory.py
 
 # Random SIGKILLs of a 2-rank job across saves, reruns, leftovers (issue 14's soak).
 bench-kill-soak: $(STAMP)

@@ -200,3 +200,40 @@ def test_mesh_init_smoke_times_and_counts_every_candidate(tmp_path: Path) -> Non
     assert len(record["builds"]) == 2 * 2 * 2 * 3
     assert all(len(b["s_per_rank"]) == 4 for b in record["builds"])
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["mesh_init.json"]
+
+
+def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path: Path) -> None:
+    """Two gloo ranks run the compute-only floor, torch DDP and torch FSDP2 (two ways)
+    under no added latency and under one block's forward; the JSON holds each one's ratio
+    to the floor and the collectives it issued on the latency backend."""
+    out = tmp_path / "out" / "parallel_overlap.json"
+    proc = _run_bench("parallel/overlap.py", "--smoke", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
+    assert proc.stdout.count("| torch FSDP2 ZeRO-2 |") == 2, proc.stdout[-3000:]
+    record = json.loads(out.read_text())
+    assert record["smoke"] is True
+    assert record["machine"]["ms_parallel"]
+    block = record["block_forward_s"]
+    assert block > 0
+    assert [s["latency_s"] for s in record["summary"]] == [0.0, block]
+    for s in record["summary"]:
+        rows = s["candidates"]
+        assert list(rows) == [
+            "compute only (floor)",
+            "torch DDP",
+            "torch FSDP2 ZeRO-2",
+            "torch FSDP2 ZeRO-2, async AG",
+        ]
+        assert rows["compute only (floor)"]["ratio_to_floor"] == 1.0
+        assert rows["compute only (floor)"]["collectives_by_type"] == {}
+        assert rows["torch DDP"]["collectives_by_type"]["all_reduce"] >= 1
+        for name in ("torch FSDP2 ZeRO-2", "torch FSDP2 ZeRO-2, async AG"):
+            fsdp = rows[name]["collectives_by_type"]
+            assert fsdp["all_gather"] >= 2 and fsdp["reduce_scatter"] >= 2  # 2 blocks
+        for row in rows.values():
+            assert row["median_step_s"] > 0 and len(row["ratio_per_round"]) == 1
+    # every repetition keeps every rank's own step times
+    reps = record["sweep"][1]["reps"]["torch DDP"]
+    assert len(reps) == 1 and len(reps[0]["per_rank"]) == 2
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "parallel_overlap.json"]
