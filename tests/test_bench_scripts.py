@@ -221,6 +221,8 @@ def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path:
         rows = s["candidates"]
         assert list(rows) == [
             "compute only (floor)",
+            "ms ZeRO-2",
+            "ms ZeRO-2, serialized",
             "torch DDP",
             "torch FSDP2 ZeRO-2",
             "torch FSDP2 ZeRO-2, async AG",
@@ -228,7 +230,8 @@ def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path:
         assert rows["compute only (floor)"]["ratio_to_floor"] == 1.0
         assert rows["compute only (floor)"]["collectives_by_type"] == {}
         assert rows["torch DDP"]["collectives_by_type"]["all_reduce"] >= 1
-        for name in ("torch FSDP2 ZeRO-2", "torch FSDP2 ZeRO-2, async AG"):
+        names = ("ms ZeRO-2", "torch FSDP2 ZeRO-2", "torch FSDP2 ZeRO-2, async AG")
+        for name in names:
             fsdp = rows[name]["collectives_by_type"]
             assert fsdp["all_gather"] >= 2 and fsdp["reduce_scatter"] >= 2  # 2 blocks
         for row in rows.values():
@@ -237,3 +240,25 @@ def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path:
     reps = record["sweep"][1]["reps"]["torch DDP"]
     assert len(reps) == 1 and len(reps[0]["per_rank"]) == 2
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "parallel_overlap.json"]
+
+
+@pytest.mark.slow
+def test_parallel_memory_smoke_counts_every_role(tmp_path: Path) -> None:
+    """Two gloo ranks train a tiny model with DDP and with ms ZeRO-2; the JSON holds each
+    rank's bytes by role, and ZeRO's optimizer state is about half of DDP's."""
+    out = tmp_path / "parallel_memory.json"
+    proc = _run_bench("parallel/memory.py", "--smoke", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
+    record = json.loads(out.read_text())
+    ddp, zero = record["results"]["ddp"], record["results"]["zero2"]
+    assert len(ddp) == len(zero) == 2
+    for rank in range(2):
+        # ZeRO's flat buckets are padded to a multiple of the world size.
+        params = ddp[rank]["bytes"]["parameters"]
+        assert params <= zero[rank]["bytes"]["parameters"] <= params * 1.001
+        assert ddp[rank]["bytes"]["gradients"] > 0 and zero[rank]["bytes"]["gradients"] > 0
+        full = ddp[rank]["bytes"]["optimizer state"]
+        # AdamW's two moments over this rank's shard; the buckets' padding is tiny.
+        assert 0.45 * full <= zero[rank]["bytes"]["optimizer state"] <= 0.55 * full
+        assert zero[rank]["peak_rss_over_model"] > 0

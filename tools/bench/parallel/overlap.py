@@ -84,6 +84,7 @@ from torch.nn.parallel import DistributedDataParallel
 import ms_parallel
 from ms_parallel.events import EventLog
 from ms_parallel.latency import register_latency_backend
+from ms_parallel.zero import ZeroDataParallel
 from ms_testing import run_ranks
 from ms_testing.bench import machine_info
 
@@ -182,8 +183,28 @@ def torch_fsdp2_zero2_async(model: nn.Sequential, comm: Comm, config: BenchConfi
     return step
 
 
+def ms_zero2(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
+    """ms-parallel ZeRO-2: a chunk per block, reduce-scatter per bucket as its gradients
+    are ready, all-gather deferred into the next forward with chained prefetch."""
+    zero = ZeroDataParallel(model, comm.group)
+    return training_step(
+        zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
+    )
+
+
+def ms_zero2_serialized(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
+    """The same, each collective waited right after it is issued: the serialized
+    baseline the overlapped one is measured against."""
+    zero = ZeroDataParallel(model, comm.group, prefetch=False)
+    return training_step(
+        zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
+    )
+
+
 CANDIDATES: dict[str, Candidate] = {
     FLOOR: compute_only,
+    "ms ZeRO-2": ms_zero2,
+    "ms ZeRO-2, serialized": ms_zero2_serialized,
     "torch DDP": torch_ddp,
     "torch FSDP2 ZeRO-2": torch_fsdp2_zero2,
     "torch FSDP2 ZeRO-2, async AG": torch_fsdp2_zero2_async,

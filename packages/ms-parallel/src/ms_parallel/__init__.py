@@ -15,6 +15,8 @@ from ms_parallel.engine import (
     StepResult,
     ZeroEngine,
 )
+from ms_parallel.events import Event, EventHook, EventLog
+from ms_parallel.latency import LatencyBackend, register_latency_backend
 from ms_parallel.mesh import build_mesh
 from ms_parallel.mesh_shape import MESH_DIM_NAMES, MeshShape
 from ms_parallel.zero import ZeroDataParallel, default_chunks
@@ -23,6 +25,10 @@ __all__ = [
     "MESH_DIM_NAMES",
     "CollectiveTimeout",
     "DDPEngine",
+    "Event",
+    "EventHook",
+    "EventLog",
+    "LatencyBackend",
     "LossFn",
     "MeshShape",
     "OptimizerFactory",
@@ -34,4 +40,5 @@ __all__ = [
     "__version__",
     "build_mesh",
     "default_chunks",
+    "register_latency_backend",
 ]

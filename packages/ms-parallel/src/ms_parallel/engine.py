@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ms_parallel.zero import EventHook, ZeroDataParallel
+from ms_parallel.events import EventHook
+from ms_parallel.zero import ZeroDataParallel
 
 _T = TypeVar("_T")
 

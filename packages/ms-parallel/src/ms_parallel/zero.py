@@ -34,11 +34,10 @@ from torch.utils.hooks import RemovableHandle
 from ms_parallel import _zero_state
 from ms_parallel._layout import BucketLayout, plan_buckets, shard_size
 from ms_parallel._wait import wait_bounded
+from ms_parallel.events import EventHook
 
 __all__ = ["ZeroDataParallel", "default_chunks"]
 
-#: ``on_event(name, kind, t, **attrs)``: see ``ms_parallel.events``.
-EventHook = Callable[..., None]
 
 # torch 2.13 renamed the flat collectives (the old names warn); older torch has only those.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
