@@ -222,6 +222,7 @@ def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path:
         assert list(rows) == [
             "compute only (floor)",
             "ms ZeRO-2",
+            "ms ZeRO-2, chain of 1",
             "ms ZeRO-2, serialized",
             "torch DDP",
             "torch FSDP2 ZeRO-2",

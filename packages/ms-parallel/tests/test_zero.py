@@ -104,12 +104,15 @@ def test_serialized_mode_is_the_same_training():
         assert torch.equal(a[0][1][name], b[0][1][name])
 
 
-def _rank_events():
+def _rank_events(prefetch_chunks):
     rank = dist.get_rank()
     events: list[tuple[str, str, dict]] = []
     net = make_net()
     zero = ZeroDataParallel(
-        net, dist.group.WORLD, on_event=lambda name, kind, t, **a: events.append((name, kind, a))
+        net,
+        dist.group.WORLD,
+        prefetch_chunks=prefetch_chunks,
+        on_event=lambda name, kind, t, **a: events.append((name, kind, a)),
     )
     opt = zero.attach_optimizer(adamw(zero.optimizer_param_groups()))
     for tokens, targets in batches(2, 4):
@@ -118,8 +121,9 @@ def _rank_events():
     return events, len(zero._chunks)
 
 
-def test_events_show_chained_prefetch():
-    events, n_chunks = run_ranks(_rank_events, 2, timeout=60)[0]
+@pytest.mark.parametrize("prefetch_chunks", [None, 1])
+def test_events_show_chained_prefetch(prefetch_chunks):
+    events, n_chunks = run_ranks(_rank_events, 2, args=(prefetch_chunks,), timeout=60)[0]
     # Step 1 needs no gather (the weights start equal); step 2's begin after the first step.
     first_ag = next(i for i, e in enumerate(events) if e[0] == "all_gather")
     step2 = events[first_ag:]
@@ -134,6 +138,11 @@ def test_events_show_chained_prefetch():
         assert index("all_gather", "issue", k + 1) < index("chunk", "compute_begin", k)
         # ...and waited only when that next chunk is about to compute.
         assert index("chunk", "compute_begin", k) < index("all_gather", "wait_begin", k + 1)
+    for k in range(n_chunks - 2):
+        ahead = index("all_gather", "issue", k + 2) < index("chunk", "compute_begin", k)
+        # All gathers go out as the step ends by default; a chain of 1 issues chunk
+        # k + 2's only when chunk k + 1 starts.
+        assert ahead == (prefetch_chunks is None)
     # Reduce-scatters start during backward, before the last one is waited.
     issues = [i for i, e in enumerate(events) if e[:2] == ("reduce_scatter", "issue")]
     waits = [i for i, e in enumerate(events) if e[:2] == ("reduce_scatter", "wait_begin")]

@@ -17,15 +17,21 @@ parameters, fp32), 1,024 random tokens (rows) per rank against random targets, M
 
 1. **compute only (floor)**: the plain model, no communication at all; the floor every
    data-parallel step sits on.
-2. **torch DDP**: ``DistributedDataParallel(model, process_group=<latency group>)``,
+2. **ms ZeRO-2**: ``ms_parallel.ZeroDataParallel`` (a chunk per block, 25 MiB buckets),
+   AdamW on its shard views; every all-gather issued as the optimizer step ends.
+   **ms ZeRO-2, chain of 1**: the same with ``prefetch_chunks=1`` (chunk k + 1's
+   all-gather issued as chunk k starts, the paper's chain). **ms ZeRO-2, serialized**:
+   ``prefetch=False``, every collective waited right after it is issued; overlapped /
+   serialized is the overlap's effect with everything else equal.
+3. **torch DDP**: ``DistributedDataParallel(model, process_group=<latency group>)``,
    torch's defaults (25 MiB buckets, all-reduce overlapped with backward).
-3. **torch FSDP2 ZeRO-2**: ``fully_shard`` on each block and the root with
+4. **torch FSDP2 ZeRO-2**: ``fully_shard`` on each block and the root with
    ``reshard_after_forward=False`` (parameters stay gathered between forward and
    backward: ZeRO-2), on a 1-D ``DeviceMesh.from_group(<latency group>)``, with explicit
    prefetching: block i prefetches block i+1's all-gather in forward
    (``set_modules_to_forward_prefetch``) and block i-1's in backward
    (``set_modules_to_backward_prefetch``).
-4. **torch FSDP2 ZeRO-2, async AG**: the same, with ``_set_unshard_async_op(True)``
+5. **torch FSDP2 ZeRO-2, async AG**: the same, with ``_set_unshard_async_op(True)``
    (private in torch 2.13). FSDP2 calls its collectives with ``async_op=False``, which on
    a GPU still runs them on a NCCL stream, asynchronous to the host, but on CPU gloo
    blocks the caller: candidate 3 cannot overlap anything here. This switch makes the
@@ -33,7 +39,7 @@ parameters, fp32), 1,024 random tokens (rows) per rank against random targets, M
    switch exists), so FSDP2 on CPU is at a disadvantage a GPU would not give it.
 
 A candidate is a function ``(model, comm, config) -> step``, where ``step(x, y)`` runs one
-forward, backward and optimizer step; adding one (ms ZeRO-2) is one function and one
+forward, backward and optimizer step; adding one is one function and one
 entry in ``CANDIDATES``.
 
 ``--latency``: the sweep of L, per op and the same for every op type, comma separated:
@@ -192,6 +198,15 @@ def ms_zero2(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
     )
 
 
+def ms_zero2_chain1(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
+    """The same with the paper's chain: chunk k + 1's all-gather issued as chunk k
+    starts (the default gathers every chunk as the optimizer step ends)."""
+    zero = ZeroDataParallel(model, comm.group, prefetch_chunks=1)
+    return training_step(
+        zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
+    )
+
+
 def ms_zero2_serialized(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
     """The same, each collective waited right after it is issued: the serialized
     baseline the overlapped one is measured against."""
@@ -204,6 +219,7 @@ def ms_zero2_serialized(model: nn.Sequential, comm: Comm, config: BenchConfig) -
 CANDIDATES: dict[str, Candidate] = {
     FLOOR: compute_only,
     "ms ZeRO-2": ms_zero2,
+    "ms ZeRO-2, chain of 1": ms_zero2_chain1,
     "ms ZeRO-2, serialized": ms_zero2_serialized,
     "torch DDP": torch_ddp,
     "torch FSDP2 ZeRO-2": torch_fsdp2_zero2,

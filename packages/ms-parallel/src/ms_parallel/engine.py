@@ -220,6 +220,7 @@ class ZeroEngine:
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         prefetch: bool = True,
+        prefetch_chunks: int | None = None,
         timeout_s: float = 600.0,
         on_event: EventHook | None = None,
     ) -> None:
@@ -229,6 +230,7 @@ class ZeroEngine:
             "bucket_mb": bucket_mb,
             "reduce_dtype": reduce_dtype,
             "prefetch": prefetch,
+            "prefetch_chunks": prefetch_chunks,
             "timeout_s": timeout_s,
             "on_event": on_event,
         }

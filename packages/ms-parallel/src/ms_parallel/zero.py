@@ -6,11 +6,14 @@ rank's optimizer updates only its shard of every bucket. The step's communicatio
 - backward: a bucket's reduce-scatter is issued the moment its last gradient is
   accumulated, in the order compute produces them, and waited at the end of backward;
 - optimizer step: each rank updates its shard in place;
-- forward of the next step: the all-gather of the updated shards is deferred to just
-  before each chunk runs. The first chunk's is issued when the optimizer step ends (so
-  it overlaps data loading); chunk k's forward issues chunk k + 1's before it waits for
-  its own (chained prefetch), so every gather after the first hides behind a chunk of
-  compute.
+- forward of the next step: the all-gather of the updated shards is deferred to the
+  chunks' forward and issued in the order forward consumes them. The first chunk's is
+  issued when the optimizer step ends (so it overlaps data loading), with the next
+  ``prefetch_chunks`` ones; chunk k's forward issues those up to chunk
+  k + ``prefetch_chunks`` before it waits for its own (chained prefetch), so every
+  gather after the first hides behind compute. ZeRO-2 keeps the full parameters, so
+  gathering further ahead costs no memory: the default issues them all at once, and
+  each still completes in the order forward needs it.
 
 Buffers are flat and bucketed, and a parameter's ``.data`` and ``.grad`` are views into
 them, so nothing is copied on the way to a collective (the layout is in ``_layout``).
@@ -103,9 +106,14 @@ class ZeroDataParallel(nn.Module):
         reduce_dtype: the dtype gradients are reduce-scattered in, e.g.
             ``torch.float32`` for bf16 parameters; default: the parameters' dtype.
             Another dtype than the parameters' also accumulates micro-batches in it.
-        prefetch: issue chunk k + 1's all-gather before chunk k computes (default);
-            ``False`` waits each chunk's all-gather right after issuing it, and each
+        prefetch: gather ahead of compute (default); ``False`` waits each chunk's
+            all-gather right after issuing it before its forward, and each
             reduce-scatter right after issuing it (the serialized baseline).
+        prefetch_chunks: how many chunks ahead of the one about to compute are
+            gathered; ``None`` (default): all, issued as the optimizer step ends; ``1``:
+            the paper's chain, where chunk k + 1's is issued as chunk k starts. With an
+            injected latency about one chunk's forward, 1 leaves each chunk's wait to
+            jitter (see the README's measurements).
         timeout_s: every wait on a collective is bounded by this; a peer that stops
             participating raises :class:`ms_parallel.CollectiveTimeout`.
         on_event: ``on_event(name, kind, t, **attrs)`` called at each collective's
@@ -122,6 +130,7 @@ class ZeroDataParallel(nn.Module):
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         prefetch: bool = True,
+        prefetch_chunks: int | None = None,
         timeout_s: float = 600.0,
         on_event: EventHook | None = None,
         broadcast_from: int = 0,
@@ -144,6 +153,15 @@ class ZeroDataParallel(nn.Module):
                 f"broadcast_from must be a rank in [0, {self.world}), got {broadcast_from!r}"
             )
         self.prefetch = bool(prefetch)
+        if prefetch_chunks is not None and (
+            isinstance(prefetch_chunks, bool)
+            or not isinstance(prefetch_chunks, int)
+            or prefetch_chunks < 1
+        ):
+            raise ValueError(
+                f"prefetch_chunks must be an int >= 1 or None, got {prefetch_chunks!r}"
+            )
+        self.prefetch_chunks = prefetch_chunks
         self.timeout_s = float(timeout_s)
         self.on_event = on_event
         self._named = _unique_named_parameters(module)
@@ -386,8 +404,8 @@ class ZeroDataParallel(nn.Module):
 
     def _pre_forward(self, k: int, j: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if j == 0 and self.prefetch and k + 1 < len(self._chunks):
-                self._issue_gather(k + 1)
+            if j == 0:
+                self._issue_ahead(k)
             self._wait_gather(k)
             if j == 0:
                 self._emit("chunk", "compute_begin", chunk=k)
@@ -475,6 +493,7 @@ class ZeroDataParallel(nn.Module):
         self._synced_since_step = False
         if self._chunks:
             self._issue_gather(0)  # the next step's first gather overlaps data loading
+            self._issue_ahead(0)
 
     # -- collectives ---------------------------------------------------------------
 
@@ -491,6 +510,15 @@ class ZeroDataParallel(nn.Module):
             b.state = _GATHERING
             if not self.prefetch:
                 self._wait_bucket_gather(b)
+
+    def _issue_ahead(self, k: int) -> None:
+        """Issue the gathers of the chunks after ``k`` that prefetching covers."""
+        if not self.prefetch:
+            return
+        n = len(self._chunks)
+        last = n - 1 if self.prefetch_chunks is None else min(n - 1, k + self.prefetch_chunks)
+        for j in range(k + 1, last + 1):
+            self._issue_gather(j)
 
     def _wait_gather(self, k: int) -> None:
         for b in self._by_chunk[k]:
