@@ -101,7 +101,7 @@ bench-mesh: $(STAMP)
 
 # ms ZeRO-2, DDP and FSDP2 step time under injected latency, over the compute-only step.
 bench-parallel: $(STAMP)
-	$(BIN)/python tools/bench/parallel/overlap.py --rounds 5
+	$(BIN)/python tools/bench/parallel/overlap.py --rounds 3
 
 # Memory per rank of a ~100M-parameter model: ms ZeRO-2 against DDP.
 bench-parallel-memory: $(STAMP)

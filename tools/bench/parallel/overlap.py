@@ -243,7 +243,15 @@ def block_forward_s(config: BenchConfig) -> float:
 
 
 def resolve_latencies(spec: str, block_s: float) -> list[float]:
-    return [block_s if s.strip() == "block" else float(s) / 1e3 for s in spec.split(",")]
+    """``ms`` values, ``block`` (one block's forward) or ``<k>block`` (k of them: ``3block``
+    is about one block's forward and backward, a chunk's whole compute)."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if item.endswith("block"):
+            out.append(float(item[: -len("block")] or 1) * block_s)
+        else:
+            out.append(float(item) / 1e3)
+    return out
 
 
 def run_candidate(
@@ -366,7 +374,15 @@ def summarize(sweep: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def print_tables(summary: list[dict[str, Any]], head: str, block_s: float) -> None:
     for s in summary:
         latency = s["latency_s"]
-        what = " (one block's forward)" if latency == block_s and latency > 0 else ""
+        what = ""
+        if latency > 0 and block_s > 0:
+            k = latency / block_s
+            if abs(k - round(k)) < 1e-9:
+                what = (
+                    " (one block's forward)"
+                    if round(k) == 1
+                    else f" ({round(k)} x one block's forward)"
+                )
         print(f"\n### {head}, L = {latency * 1e3:.1f} ms per op{what}\n")
         print(
             "| candidate | ms/step (median) | min-max | / floor | min-max "
@@ -389,7 +405,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument(
-        "--latency", default="0,block", help="L per op: ms, or 'block' (one block's forward)"
+        "--latency",
+        default="0,block,3block",
+        help="L per op: ms, 'block' (one block's forward) or '<k>block' (k of them)",
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per repetition")
