@@ -150,10 +150,12 @@ def test_events_show_chained_prefetch(prefetch_chunks):
     assert issues[1] < waits[0]
 
 
-def _rank_stuck(timeout_s: float):
+def _rank_stuck(timeout_s: float, prefetch_chunks):
     rank = dist.get_rank()
     net = make_net()
-    zero = ZeroDataParallel(net, dist.group.WORLD, timeout_s=timeout_s)
+    zero = ZeroDataParallel(
+        net, dist.group.WORLD, timeout_s=timeout_s, prefetch_chunks=prefetch_chunks
+    )
     opt = zero.attach_optimizer(adamw(zero.optimizer_param_groups()))
     tokens, targets = batches(1, 4)[0]
     zero(tokens[rank * 2 : rank * 2 + 2], targets[rank * 2 : rank * 2 + 2]).backward()
@@ -164,20 +166,25 @@ def _rank_stuck(timeout_s: float):
         time.sleep(timeout_s * 4)  # stops participating
         return "slept"
     try:
-        zero(tokens[:2], targets[:2])
+        zero(tokens[:2], targets[:2]).backward()
     except CollectiveTimeout as e:
         return str(e)
     return "no error"
 
 
-def test_a_rank_that_stops_participating_is_named():
-    report = launch(_rank_stuck, 2, args=(2.0,), timeout=60)
+# Rank 1's optimizer step issued the gathers of chunks 0 and 1 (a chain of 1 ahead of
+# the first) before it stopped: chunk 2's is the first it never joined. (By default its
+# step issues every gather, and the first collective it misses is a reduce-scatter;
+# gloo's emulated reduce-scatter ignores wait(timeout), so there only the group's own
+# timeout bounds the wait: ms-train sets it to parallel.collective_timeout_s.)
+@pytest.mark.parametrize(("prefetch_chunks", "op", "chunk"), [(1, "all_gather", "chunk 2")])
+def test_a_rank_that_stops_participating_is_named(prefetch_chunks, op, chunk):
+    report = launch(_rank_stuck, 2, args=(2.0, prefetch_chunks), timeout=60)
     message = report.outcomes[0].value
-    assert "all_gather" in message
-    # Rank 1's optimizer step issued chunk 0's gather before it stopped: chunk 1's is
-    # the first it never joined.
-    assert "chunk 1" in message
+    assert isinstance(message, str), report.outcomes[0].error
+    assert message.startswith(f"{op} ({chunk}, bucket "), message
     assert "rank 0" in message
+    assert "ranks 0, 1" in message
     assert "within 2 s" in message
     assert report.outcomes[1].value == "slept"
 

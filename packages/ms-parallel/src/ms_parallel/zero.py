@@ -195,15 +195,17 @@ class ZeroDataParallel(nn.Module):
             for b in self.buckets:
                 for s in b.layout.slots:
                     p = params[s.index]
-                    b.data[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
+                    view = b.data[s.offset : s.offset + s.numel].view(s.shape)
+                    view.copy_(p.detach())
+                    # Point the parameter at its bucket now, so that its old storage
+                    # is freed before the next one is copied (no second model at peak).
+                    p.data = view
                     self._bucket_of[id(p)] = (b, s.offset, s.numel)
             if self.group is not None:  # every rank starts from the same weights, as DDP does
                 src = dist.get_global_rank(self.group, broadcast_from)
                 for b in self.buckets:
                     dist.broadcast(b.data, src=src, group=self.group)
             for b in self.buckets:
-                for s in b.layout.slots:
-                    params[s.index].data = b.data[s.offset : s.offset + s.numel].view(s.shape)
                 for s, lo, hi in b.layout.overlaps(self.rank, self.world):
                     a, z = s.offset + lo - b.lo, s.offset + hi - b.lo
                     view = b.data[b.lo + a : b.lo + z]

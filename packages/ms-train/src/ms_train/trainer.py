@@ -33,6 +33,7 @@ its rank and the step (``ms_train._rng``).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -230,7 +231,11 @@ class Trainer:
             backend = (
                 "nccl" if torch.cuda.is_available() and config.train.device != "cpu" else "gloo"
             )
-            dist.init_process_group(backend)
+            # The group's own timeout bounds every collective, also those whose
+            # wait(timeout) a backend ignores (gloo's emulated reduce-scatter).
+            dist.init_process_group(
+                backend, timeout=datetime.timedelta(seconds=config.parallel.collective_timeout_s)
+            )
             self._owns_group = True
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
