@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -179,23 +180,19 @@ class DDPEngine:
         max_norm: float | None,
     ) -> StepResult:
         wrapped = _set(self._wrapped, "step")
-        _check_accum(grad_accum)
-        total = torch.zeros((), device=self.device)
-        for micro in range(grad_accum):
-            batch = next_batch()
-            last = micro == grad_accum - 1
-            skip = not last and isinstance(wrapped, DistributedDataParallel)
-            with wrapped.no_sync() if skip else contextlib.nullcontext():  # type: ignore[operator]
-                loss = loss_fn(wrapped, batch)
-                (loss / grad_accum).backward()  # type: ignore[no-untyped-call]
-            total += loss.detach()
+        no_sync = (
+            wrapped.no_sync
+            if isinstance(wrapped, DistributedDataParallel)
+            else contextlib.nullcontext
+        )
+        loss = _micro_batches(wrapped, no_sync, next_batch, loss_fn, grad_accum, self.device)
         # Gradients are replicated: every rank computes the same norm locally.
         norm = torch.nn.utils.clip_grad_norm_(
             _set(self._model, "step").parameters(), _max_norm(max_norm)
         )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(total / grad_accum, norm)
+        return StepResult(loss, norm)
 
     def state(self) -> dict[str, Any]:
         return {"model": _set(self._model, "state"), "optim": self.optimizer}
@@ -270,19 +267,11 @@ class ZeroEngine:
         max_norm: float | None,
     ) -> StepResult:
         zero = _set(self.zero, "step")
-        _check_accum(grad_accum)
-        total = torch.zeros((), device=self.device)
-        for micro in range(grad_accum):
-            batch = next_batch()
-            last = micro == grad_accum - 1
-            with contextlib.nullcontext() if last else zero.no_sync():
-                loss = loss_fn(zero, batch)
-                (loss / grad_accum).backward()  # type: ignore[no-untyped-call]
-            total += loss.detach()
+        loss = _micro_batches(zero, zero.no_sync, next_batch, loss_fn, grad_accum, self.device)
         norm = zero.clip_grad_norm_(_max_norm(max_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(total / grad_accum, norm)
+        return StepResult(loss, norm)
 
     def state(self) -> dict[str, Any]:
         zero = _set(self.zero, "state")
@@ -317,6 +306,28 @@ class _ZeroOptimState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.zero.load_optimizer_state_dict(self.optimizer, state)
+
+
+def _micro_batches(
+    module: nn.Module,
+    no_sync: Callable[[], AbstractContextManager[Any]],
+    next_batch: Callable[[], Any],
+    loss_fn: LossFn,
+    grad_accum: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Forward and backward of ``grad_accum`` micro-batches, all but the last under
+    ``no_sync()``; the mean loss (detached)."""
+    _check_accum(grad_accum)
+    total = torch.zeros((), device=device)
+    for micro in range(grad_accum):
+        batch = next_batch()
+        last = micro == grad_accum - 1
+        with contextlib.nullcontext() if last else no_sync():
+            loss = loss_fn(module, batch)
+            (loss / grad_accum).backward()  # type: ignore[no-untyped-call]
+        total += loss.detach()
+    return total / grad_accum
 
 
 def _set(value: _T | None, what: str) -> _T:
