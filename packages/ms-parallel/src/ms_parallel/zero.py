@@ -531,16 +531,7 @@ class ZeroDataParallel(nn.Module):
 
     def _wait_bucket_gather(self, b: _Bucket) -> None:
         assert b.gather is not None
-        where = f"chunk {b.layout.chunk}, bucket {b.layout.index}"
-        self._emit("all_gather", "wait_begin", chunk=b.layout.chunk, bucket=b.layout.index)
-        wait_bounded(
-            b.gather,
-            op="all_gather",
-            group=self._comm_group(),
-            where=where,
-            timeout_s=self.timeout_s,
-        )
-        self._emit("all_gather", "wait_end", chunk=b.layout.chunk, bucket=b.layout.index)
+        self._wait(b.gather, "all_gather", b)
         b.gather = None
         b.state = _FRESH
 
@@ -567,19 +558,23 @@ class ZeroDataParallel(nn.Module):
     def _wait_reduce(self, b: _Bucket) -> None:
         if b.reduce is None:
             return
-        where = f"chunk {b.layout.chunk}, bucket {b.layout.index}"
-        self._emit("reduce_scatter", "wait_begin", chunk=b.layout.chunk, bucket=b.layout.index)
-        wait_bounded(
-            b.reduce,
-            op="reduce_scatter",
-            group=self._comm_group(),
-            where=where,
-            timeout_s=self.timeout_s,
-        )
-        self._emit("reduce_scatter", "wait_end", chunk=b.layout.chunk, bucket=b.layout.index)
+        self._wait(b.reduce, "reduce_scatter", b)
         b.reduce = None
         if b.opt_grad is not b.grad_shard:
             b.opt_grad.copy_(b.grad_shard)
+
+    def _wait(self, work: dist.Work, op: str, b: _Bucket) -> None:
+        """Wait for bucket ``b``'s collective ``op``, bounded, with its events."""
+        chunk, bucket = b.layout.chunk, b.layout.index
+        self._emit(op, "wait_begin", chunk=chunk, bucket=bucket)
+        wait_bounded(
+            work,
+            op=op,
+            group=self._comm_group(),
+            where=f"chunk {chunk}, bucket {bucket}",
+            timeout_s=self.timeout_s,
+        )
+        self._emit(op, "wait_end", chunk=chunk, bucket=bucket)
 
     def _comm_group(self) -> dist.ProcessGroup:
         if self.group is None:
