@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from ms_ckpt import Checkpointer, CheckpointError, CheckpointWriteError, rng_state
+from ms_ckpt import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointWriteError,
+    committed_steps,
+    rng_state,
+)
 
 HERE = Path(__file__).parent
 if str(HERE) not in sys.path:  # the writer process imports the hooks by module name
@@ -258,6 +264,24 @@ def test_latest_step_is_the_newest_committed_step_or_none(tmp_path: Path) -> Non
         assert ckpt.latest_step() == 5  # the partial step 7 is newer, but not committed
         got = {"w": torch.zeros(3)}
         assert ckpt.load(got) == ckpt.latest_step()
+
+
+def test_committed_steps_lists_storage_without_a_checkpointer(tmp_path: Path) -> None:
+    """What a launcher or preflight asks before any Checkpointer (a collective under a
+    process group) exists: the committed steps, oldest first; partial ones left out."""
+    root = tmp_path / "ckpt"
+    assert committed_steps(str(root)) == []  # no directory yet
+    with Checkpointer(str(root), stage2="inline") as ckpt:
+        for step in (12, 3):
+            ckpt.save(step, {"w": torch.ones(3)}).wait(timeout=DEADLINE)
+    (root / "step-00000020").mkdir()  # partial
+    (root / "notes").mkdir()
+    assert committed_steps(str(root)) == [3, 12]
+    assert committed_steps(f"file://{root}") == [3, 12]
+    fs = fsspec.filesystem("memory")
+    with Checkpointer("/ms-ckpt-steps", fs=fs) as ckpt:
+        ckpt.save(4, {"w": torch.ones(3)}).wait(timeout=DEADLINE)
+    assert committed_steps("/ms-ckpt-steps", fs=fs) == [4]
 
 
 def test_hook_sees_every_point_in_order_before_the_commit(tmp_path: Path) -> None:

@@ -269,3 +269,51 @@ def test_the_refusal_reaches_every_rank(corpus: Path, tmp_path: Path) -> None:
     assert kind == "RunLockedError"
     assert message.startswith(f"train.out_dir {out} is in use by another run (pid {os.getpid()} ")
     assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]
+
+
+def _construct_owning_the_group(config: Any) -> tuple[str, bool]:
+    """As :func:`_construct`, with the process group left to the Trainer (as under
+    torchrun): the error, and whether a group is still up afterwards."""
+    import torch.distributed as dist
+
+    try:
+        with Trainer(config, peak_flops=1e9, stream=io.StringIO()):
+            return ("started", dist.is_initialized())
+    except JobError as e:
+        return (type(e).__name__, dist.is_initialized())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_refused_trainer_leaves_the_process_group_it_created(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """A Trainer that created the process group and then fails (here: the run is locked)
+    destroys it before the error leaves the constructor. A rank that exits with a live
+    gloo group may die in C++ ("terminate called without an active exception"), which
+    ms-train's launcher then printed under the one-line error."""
+    out = tmp_path / "run"
+    config = load_config(
+        _toml(tmp_path / "run.toml", corpus, out, steps=10),
+        overrides=["checkpoint.every=0"],
+    )
+    # The ranks' env:// rendezvous joins the store this test's launcher already owns,
+    # as torchrun's workers join their agent's.
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+    held = lock_run([("train.out_dir", str(out))], log=print)
+    try:
+        results = run_ranks(
+            _construct_owning_the_group,
+            2,
+            args=(config,),
+            timeout=150,
+            env=env,
+            init_process_group=False,
+        )
+    finally:
+        held.release()
+    assert results == [("RunLockedError", False)] * 2

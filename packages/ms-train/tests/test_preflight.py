@@ -16,6 +16,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -386,3 +387,33 @@ def test_preflight_error_on_two_ranks_is_one_line(tmp_path: Path) -> None:
         "a directory"
     ]
     assert proc.stdout == ""  # no rank started: no header, no torchrun output
+
+
+def _preflight_rank(configs: list[Any]) -> int | None:
+    import torch.distributed as dist
+
+    from ms_train._preflight import preflight
+
+    resume = preflight(configs[dist.get_rank()]).resume_step
+    dist.barrier()  # both ranks got here: neither waits in a collective of preflight's
+    return resume
+
+
+@pytest.mark.timeout(120)
+def test_preflight_under_a_process_group_enters_no_collective(corpus: Path, tmp_path: Path) -> None:
+    """Ranks whose process group is already up (a library user's, or a test's) may see
+    the checkpoint directory differently at preflight: rank 0 locks, and so creates, it
+    before a slower rank checks it. Preflight must then not build a Checkpointer (a
+    collective). Here rank 1's directory holds a committed step, rank 0's does not exist:
+    before the fix rank 1 waited in ms-ckpt's all-gather until the deadline."""
+    from ms_ckpt import Checkpointer
+    from ms_testing.dist import run_ranks
+
+    configs = [
+        load_config(overrides=[*SMALL, f"data.shards={corpus}", f"train.out_dir={tmp_path / d}"])
+        for d in ("fresh", "resumed")
+    ]
+    ckpt = Checkpointer(str(tmp_path / "resumed" / "ckpt"), stage2="inline")
+    ckpt.save(3, {"model": GPT(configs[1].model).state_dict()})
+    ckpt.finalize()
+    assert run_ranks(_preflight_rank, 2, args=(configs,), timeout=90) == [None, 3]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ms_ckpt._version import __version__
 
 if TYPE_CHECKING:
-    from ms_ckpt.checkpointer import Checkpointer, SaveHandle
+    from ms_ckpt.checkpointer import Checkpointer, SaveHandle, committed_steps
     from ms_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
     from ms_ckpt.placement import PerRank, Sharded, per_rank
     from ms_ckpt.stateful import RNGState, Stateful, rng_state
@@ -35,6 +35,7 @@ __all__ = [
     "Sharded",
     "Stateful",
     "__version__",
+    "committed_steps",
     "per_rank",
     "rng_state",
 ]
@@ -48,6 +49,7 @@ _MODULES = {
     "PerRank": "ms_ckpt.placement",
     "RNGState": "ms_ckpt.stateful",
     "SaveHandle": "ms_ckpt.checkpointer",
+    "committed_steps": "ms_ckpt.checkpointer",
     "Sharded": "ms_ckpt.placement",
     "Stateful": "ms_ckpt.stateful",
     "per_rank": "ms_ckpt.placement",

@@ -26,7 +26,7 @@ from ms_ckpt._pool import HostPool, stage1_copy
 from ms_ckpt._writer import Hook, apply_retention, describe, run_job, write_error_fragment
 from ms_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
-__all__ = ["Checkpointer", "SaveHandle"]
+__all__ = ["Checkpointer", "SaveHandle", "committed_steps"]
 
 _JOIN_TIMEOUT = 30.0
 
@@ -444,8 +444,7 @@ class Checkpointer:
         It lists storage on this rank, with no collective: with several ranks call it
         while no save is in flight (at start-up), when every rank sees the same steps.
         """
-        committed = [s for s, ok in L.list_steps(self._fs, self._root).items() if ok]
-        return max(committed, default=None)
+        return max(committed_steps(self._root, fs=self._fs), default=None)
 
     def load(
         self,
@@ -660,3 +659,20 @@ def _make_layout(group: Any, dp_group: Any, mesh: Any, dp_dim: str | int) -> _pl
     if dist.get_world_size(group) == 1:
         return _plan.single(dist.get_rank())
     return _plan.discover(group, dp_group)
+
+
+def committed_steps(url: str, *, fs: Any = None) -> list[int]:
+    """The committed steps under ``url``, oldest first (partial steps left out), without
+    a ``Checkpointer``: no process group, no collective, nothing started. For a launcher
+    or a preflight check that asks what a run would resume from (the last one), on any
+    rank, at any time; it lists storage as this process sees it.
+
+    Args:
+        url: the checkpoint root, as given to ``Checkpointer``.
+        fs: an fsspec filesystem to use instead of the one ``url`` names.
+    """
+    if fs is None:
+        fs, root = fsspec.core.url_to_fs(url)
+    else:
+        root = fs._strip_protocol(url)
+    return sorted(step for step, ok in L.list_steps(fs, root).items() if ok)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import functools
 import json
 import os
 import shlex
@@ -36,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 from ms_train.errors import JobError
 
@@ -46,7 +45,6 @@ __all__ = [
     "RunLockedError",
     "lock_job",
     "lock_run",
-    "releases_lock_on_failure",
 ]
 
 LOCK_NAME = ".ms-train.lock"
@@ -223,25 +221,3 @@ def lock_job(
         raise error
     locked, message = outcome
     raise (RunLockedError if locked else JobError)(message)
-
-
-_Init = TypeVar("_Init", bound=Callable[..., None])
-
-
-def releases_lock_on_failure(init: _Init) -> _Init:
-    """For a constructor that takes a ``RunLock`` as ``self._run_lock``: when it raises
-    later on, the lock is let go at once, not whenever the half-built object is
-    collected (a caller that catches the error and starts again in the same directory
-    would otherwise meet its own lock)."""
-
-    @functools.wraps(init)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except BaseException:
-            lock = getattr(self, "_run_lock", None)
-            if lock is not None:
-                lock.release()
-            raise
-
-    return wrapper  # type: ignore[return-value]

@@ -250,11 +250,15 @@ def _resume_step(config: Config, checkpoint_dir: str) -> int | None:
     fs, root = fsspec.core.url_to_fs(checkpoint_dir)
     if not fs.exists(root):
         return None
-    from ms_ckpt import Checkpointer
+    from ms_ckpt import committed_steps
 
-    step = Checkpointer(checkpoint_dir).latest_step()
-    if step is None:
+    # No Checkpointer: with a process group up, building one is a collective, and the
+    # ranks may not agree on whether the directory exists yet (rank 0 may have locked,
+    # and so created, it already).
+    steps = committed_steps(root, fs=fs)
+    if not steps:
         return None
+    step = steps[-1]
     saved = _saved_model_shapes(fs, root, step)
     if saved is not None:
         _same_model(config, checkpoint_dir, step, saved)

@@ -209,7 +209,6 @@ class Trainer:
             feed the data-wait metric; ``close()`` is called by :meth:`close`.
     """
 
-    @_lock.releases_lock_on_failure
     def __init__(
         self,
         config: Config,
@@ -219,6 +218,44 @@ class Trainer:
         peak_flops: float | None = None,
         job_id: str | None = None,
         loader: Any = None,
+    ) -> None:
+        try:
+            self._build(
+                config,
+                engine=engine,
+                stream=stream,
+                peak_flops=peak_flops,
+                job_id=job_id,
+                loader=loader,
+            )
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Undo what a failed constructor had started, at once rather than whenever the
+        half-built object is collected: the run lock (a caller that catches the error
+        and starts again in the same directory would meet it), the loader's reader, and
+        the process group it created (a process that exits with a live gloo group dies
+        in C++, "terminate called without an active exception")."""
+        lock = getattr(self, "_run_lock", None)
+        if lock is not None:
+            lock.release()
+        close = getattr(getattr(self, "loader", None), "close", None)
+        if callable(close) and getattr(self, "_loader_owned", False):
+            close()
+        if getattr(self, "_owns_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _build(
+        self,
+        config: Config,
+        *,
+        engine: StepEngine | None,
+        stream: TextIO | None,
+        peak_flops: float | None,
+        job_id: str | None,
+        loader: Any,
     ) -> None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a ms_train.Config, got {type(config).__name__}")
@@ -280,6 +317,7 @@ class Trainer:
             self.loader = loader
         else:
             self.loader = self._node_loader(job_id)
+            self._loader_owned = True  # a failed constructor closes it; a given one stays
         self.evaluator = self._held_out_eval() if config.train.eval_every else None
 
         self.model = GPT(m, device=self.device)
