@@ -63,6 +63,7 @@ class _Bucket:
         device: torch.device,
         grad_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
+        solo: bool = False,
     ) -> None:
         self.layout = layout
         n_pad = layout.padded(world)
@@ -73,7 +74,13 @@ class _Bucket:
         # The reduce-scatter's input when it runs in another dtype than the gradients.
         self.send: torch.Tensor | None = None
         self.reduce_dtype = reduce_dtype
-        self.grad_shard = torch.zeros(self.shard, dtype=reduce_dtype, device=device)
+        # One process (``solo``, no group): the shard is the whole bucket, reduced by
+        # nothing: the gradient buffer itself, not a copy of it.
+        self.grad_shard = (
+            self.grad
+            if solo and reduce_dtype == grad_dtype
+            else torch.zeros(self.shard, dtype=reduce_dtype, device=device)
+        )
         # The optimizer's view of this rank's gradient shard, in the parameters' dtype.
         self.opt_grad = (
             self.grad_shard
@@ -182,6 +189,7 @@ class ZeroDataParallel(nn.Module):
                 self.device,
                 grad_dtype=reduce_dtype or lay.dtype,
                 reduce_dtype=reduce_dtype or lay.dtype,
+                solo=self.group is None,
             )
             for lay in layouts
         ]
@@ -543,10 +551,12 @@ class ZeroDataParallel(nn.Module):
             send = b.send
         else:
             send = b.grad
-        send.div_(self.world)  # the mean over ranks; gloo has no AVG
+        if self.world > 1:
+            send.div_(self.world)  # the mean over ranks; gloo has no AVG
         b.reduced = True
         if self.group is None:
-            b.grad_shard.copy_(send)
+            if b.grad_shard is not send:
+                b.grad_shard.copy_(send)
             if b.opt_grad is not b.grad_shard:
                 b.opt_grad.copy_(b.grad_shard)
             return
