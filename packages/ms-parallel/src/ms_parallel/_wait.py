@@ -3,6 +3,7 @@ names the operation, never a silent hang."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -19,18 +20,36 @@ class CollectiveTimeout(RuntimeError):
         rank: this process's global rank.
         where: what the collective was for, e.g. ``"chunk 3, bucket 5"``.
         timeout_s: the bound that passed.
+        waited_s: how long the wait lasted, when the backend ended it later than
+            ``timeout_s`` (gloo's reduce-scatter ignores ``wait(timeout)``: only the
+            process group's own timeout ends it); else None.
     """
 
-    def __init__(self, op: str, group: str, rank: int, where: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        op: str,
+        group: str,
+        rank: int,
+        where: str,
+        timeout_s: float,
+        waited_s: float | None = None,
+    ) -> None:
         self.op = op
         self.group = group
         self.rank = rank
         self.where = where
         self.timeout_s = timeout_s
+        self.waited_s = waited_s
+        late = (
+            ""
+            if waited_s is None
+            else f" (the backend gave up only after {waited_s:.1f} s, at the process "
+            "group's own timeout: it does not honour a shorter wait for this op)"
+        )
         super().__init__(
             f"{op} ({where}) on process group {group} did not complete within "
-            f"{timeout_s:g} s on rank {rank}: a peer in the group stopped participating "
-            "(crashed, hung, or took another code path)"
+            f"{timeout_s:g} s on rank {rank}{late}: a peer in the group stopped "
+            "participating (crashed, hung, or took another code path)"
         )
 
 
@@ -53,14 +72,25 @@ def wait_bounded(
 ) -> None:
     """``work.wait()`` that raises :class:`CollectiveTimeout` after ``timeout_s``.
 
-    gloo honours ``wait(timeout)``; NCCL's watchdog also aborts at the group's own
-    timeout, which should not be shorter than this one.
+    gloo honours ``wait(timeout)`` for most ops, but not for its reduce-scatter, which
+    only the group's own timeout ends (the error then says how long it took: set the
+    group's timeout to the bound you want, as ms-train does); NCCL's watchdog also
+    aborts at the group's own timeout, which should not be shorter than this one.
     """
+    start = time.monotonic()
     try:
         done = work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
-        raise CollectiveTimeout(op, describe_group(group), dist.get_rank(), where, timeout_s) from e
+        waited = time.monotonic() - start
+        raise CollectiveTimeout(
+            op,
+            describe_group(group),
+            dist.get_rank(),
+            where,
+            timeout_s,
+            waited_s=waited if waited > timeout_s + max(1.0, 0.5 * timeout_s) else None,
+        ) from e
     if done is False:
         raise CollectiveTimeout(op, describe_group(group), dist.get_rank(), where, timeout_s)
