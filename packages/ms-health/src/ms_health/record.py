@@ -79,6 +79,11 @@ class HeartbeatRecord:
     #: Wall seconds of the last step, and when it ended (sender clock).
     step_time_s: float | None = None
     step_at: float | None = None
+    #: Of ``step_time_s``, the seconds this rank spent waiting on collectives (from
+    #: ``wait_begin``/``wait_end`` events). In synchronous training every rank's step
+    #: takes as long as the slowest one's; the busy part, step minus wait, is what
+    #: tells a straggler from the peers that wait for it.
+    wait_s: float | None = None
     #: The last operation the loop entered: ``{"name", "kind", "t", ...}`` from an
     #: ``on_event`` callback (ms-parallel's collective events), or None.
     last_op: Mapping[str, Any] | None = None
@@ -146,6 +151,7 @@ def parse_heartbeat(body: bytes | str | Mapping[str, Any]) -> HeartbeatRecord:
         tokens_per_s=r.number("tokens_per_s", optional=True, low=0.0),
         step_time_s=r.number("step_time_s", optional=True, low=0.0),
         step_at=r.number("step_at", optional=True),
+        wait_s=r.number("wait_s", optional=True, low=0.0),
         last_op=r.mapping("last_op", optional=True),
         mesh=r.int_mapping("mesh"),
         hardware=r.mapping("hardware") or {},
