@@ -171,3 +171,37 @@ def test_every_rank_counts_a_save_that_failed_on_one_rank(corpus: Path, tmp_path
     assert results[1][1] == ""  # rank 1 reports nothing itself
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 13))
     assert _committed(out) == [10, 12]
+
+
+class PoisonedTrainer(Trainer):
+    """Sets a weight to NaN before step ``at`` (0-based) trains: the model is damaged
+    from there on, as after an overflow or a bad batch."""
+
+    def __init__(self, config: Config, at: int, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.at = at
+
+    def train_step(self, step: int) -> Any:
+        if step == self.at:
+            import torch
+
+            with torch.no_grad():
+                next(self.model.parameters()).fill_(float("nan"))
+        return super().train_step(step)
+
+
+def test_a_step_whose_gradient_norm_is_not_finite_is_not_saved(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """Saves every 2 steps; NaN from step 5 on: steps 2 and 4 commit, 6 to 12 (the final
+    one included) are refused with a warning, so a restart rolls back to step 4."""
+    out = tmp_path / "run"
+    config = _config(corpus, out)
+    stream = io.StringIO()
+    with PoisonedTrainer(config, 4, peak_flops=1e9, stream=stream) as trainer:
+        summary = trainer.train()
+    assert summary.end_step == 12
+    assert _committed(out) == [2, 4]
+    refused = [s for s in stream.getvalue().splitlines() if "not saving step" in s]
+    assert len(refused) == 4, stream.getvalue()
+    assert refused[0].startswith("ms-train: warning: not saving step 6: its gradient norm is nan")

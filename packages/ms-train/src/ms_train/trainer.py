@@ -592,7 +592,16 @@ class Trainer:
                 wait0 = self._waits()
             if (c.checkpoint.every and done % c.checkpoint.every == 0) or done == total_steps:
                 self.step = done
-                self.saves.save(done, self._state())
+                # The norm is global (every rank has the same): the ranks agree to skip.
+                norm = float(grad_norm.item())
+                if math.isfinite(norm):
+                    self.saves.save(done, self._state())
+                else:
+                    self._say(
+                        f"ms-train: warning: not saving step {done}: its gradient norm is "
+                        f"{norm} (the model may be damaged); a resume starts from the "
+                        "newest committed checkpoint before it"
+                    )
             if self.rank == 0:
                 elapsed = time.perf_counter() - t_first
                 per_step = elapsed / (done - start - 1) if done > start + 1 else math.nan
