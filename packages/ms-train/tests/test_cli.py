@@ -70,3 +70,26 @@ def test_runs_as_a_module() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "total" in proc.stdout and "24 layers" in proc.stdout
+
+
+def test_several_nodes_need_an_endpoint_and_an_id(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["--nnodes", "2", "--rdzv-id", "job"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "ms-train: error: --nnodes 2 needs --rdzv-endpoint HOST:PORT and --rdzv-id ID, the "
+        "same on every node\n"
+    )
+    assert main(["--max-restarts", "-1"]) == 2
+    assert "--max-restarts: must be an int >= 0, got '-1'" in capsys.readouterr().err
+
+
+def test_the_ranks_run_without_the_launchers_options() -> None:
+    from ms_train.cli import _rank_argv
+
+    argv = ["--nproc", "2", "--set", "a=1", "--nnodes=2", "--rdzv-endpoint", "h:1"]
+    argv += ["--rdzv-id=x", "--max-restarts", "3", "--debug"]
+    assert _rank_argv(argv) == ["--set", "a=1", "--debug"]

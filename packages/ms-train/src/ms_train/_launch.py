@@ -40,6 +40,7 @@ from typing import Any
 
 from ms_train import _procs
 from ms_train._fail import report_failure
+from ms_train._nodes import Nodes
 from ms_train._stop import Stopped, newest_committed
 from ms_train.config import Config
 from ms_train.errors import EXIT_USAGE, JobError
@@ -137,8 +138,17 @@ class _Agent(threading.Thread):
             self.error = e
 
 
-def launch(nproc: int, argv: list[str], config: Config, *, module: str = "ms_train.cli") -> int:
-    """Run ``python -m module *argv`` as ``nproc`` ranks on this machine; the exit status."""
+def launch(
+    nproc: int,
+    argv: list[str],
+    config: Config,
+    *,
+    module: str = "ms_train.cli",
+    nodes: Nodes | None = None,
+) -> int:
+    """Run ``python -m module *argv`` as ``nproc`` ranks on this machine, one node of
+    ``nodes`` (default: the only one); the exit status."""
+    nodes = Nodes() if nodes is None else nodes
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -154,14 +164,15 @@ def launch(nproc: int, argv: list[str], config: Config, *, module: str = "ms_tra
     # The agent, on a thread, cannot take the signals and says so; it reports failures
     # as logged tracebacks. The launcher does both itself.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    standalone = nodes.nnodes == 1 and nodes.endpoint is None
     launch_config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=nodes.nnodes,
+        max_nodes=nodes.nnodes,
         nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex,
+        run_id=nodes.run_id or uuid.uuid4().hex,
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
+        rdzv_endpoint="localhost:0" if standalone else str(nodes.endpoint),
+        max_restarts=nodes.max_restarts,
         monitor_interval=0.1,
         logs_specs=DefaultLogsSpecs(log_dir=str(folder / "logs")),
         # The agent's own wait when it ends workers, consistent with the launcher's.
@@ -261,14 +272,10 @@ def _outcome(
 
 
 def _latest(config: Config) -> tuple[int | None, str]:
-    from ms_ckpt import Checkpointer
+    from ms_ckpt import committed_steps
 
     root = config.checkpoint.dir or str(Path(config.train.out_dir) / "ckpt")
-    ckpt = Checkpointer(root)
-    try:
-        return ckpt.latest_step(), root
-    finally:
-        ckpt.finalize()
+    return max(committed_steps(root), default=None), root
 
 
 def _describe(error: BaseException) -> str:

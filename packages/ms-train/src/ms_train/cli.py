@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from ms_train import _cli_config, flops
 from ms_train._dry_run import dry_run_plan
 from ms_train._fail import debug_wanted, report_failure
+from ms_train._nodes import Nodes
 from ms_train._preflight import preflight
 from ms_train.config import PRESETS, ConfigError, load_config
 from ms_train.errors import JobError
@@ -44,6 +45,16 @@ _FROM_MODEL = {
 }
 
 
+def _count_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = flops._OneLineParser(
         prog="ms-train", description="Train GPT models with the ms stack."
@@ -56,6 +67,35 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="ranks on this machine; N > 1 launches through torchrun (default 1)",
+    )
+    train.add_argument(
+        "--nnodes",
+        type=flops._int_arg,
+        default=1,
+        metavar="N",
+        help="machines in the job, each running this command with the same --rdzv-endpoint "
+        "and --rdzv-id (default 1)",
+    )
+    train.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the nodes meet (torch's c10d rendezvous; the first node to bind it "
+        "hosts it); required with --nnodes > 1",
+    )
+    train.add_argument(
+        "--rdzv-id",
+        default=None,
+        metavar="ID",
+        help="the job's rendezvous id, the same on every node; required with --nnodes > 1",
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=_count_arg,
+        default=0,
+        metavar="R",
+        help="restart the ranks of every node up to R times after a rank fails; they "
+        "resume from the newest committed checkpoint (default 0)",
     )
     train.add_argument(
         "--peak-tflops",
@@ -149,17 +189,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _train(args, list(sys.argv[1:] if argv is None else argv))
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
+#: Options for the launcher only: the ranks it starts run without them.
+_LAUNCHER_OPTIONS = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--max-restarts")
+
+
+def _rank_argv(argv: list[str]) -> list[str]:
+    """``argv`` without the launcher's own options (each ``--opt V`` or ``--opt=V``)."""
     out: list[str] = []
     skip = False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in _LAUNCHER_OPTIONS:
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(tuple(f"{o}=" for o in _LAUNCHER_OPTIONS)):
             out.append(a)
     return out
+
+
+def _nodes(args: argparse.Namespace) -> Nodes:
+    """The launch's nodes and restarts, checked; JobError names the option."""
+    if args.nnodes > 1 and (not args.rdzv_endpoint or not args.rdzv_id):
+        raise JobError(
+            f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT and --rdzv-id ID, the "
+            "same on every node"
+        )
+    return Nodes(
+        nnodes=args.nnodes,
+        endpoint=args.rdzv_endpoint,
+        run_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+    )
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
@@ -168,7 +228,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         config = load_config(args.config, preset=preset, overrides=args.set)
         under_torchrun = "WORLD_SIZE" in os.environ
-        world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
+        nodes = _nodes(args)
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc * nodes.nnodes
         config.layout(world)
         # In the launcher, before any rank starts; under torchrun, Trainer checks.
         if args.dry_run or not under_torchrun:
@@ -179,10 +240,10 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(dry_run_plan(config, world, checked), flush=True)
         return 0
-    if args.nproc > 1 and not under_torchrun:
+    if (args.nproc > 1 or nodes.nnodes > 1 or nodes.max_restarts) and not under_torchrun:
         from ms_train._launch import launch
 
-        return launch(args.nproc, _without_nproc(argv), config)
+        return launch(args.nproc, _rank_argv(argv), config, nodes=nodes)
     from ms_train._launch import run_rank
 
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12

@@ -1,0 +1,21 @@
+"""The nodes of a launch and how often its ranks may restart (``--nnodes``,
+``--rdzv-endpoint``, ``--rdzv-id``, ``--max-restarts``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Nodes"]
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """One node by default (torchrun ``--standalone``); with ``nnodes`` > 1 every node
+    runs ``ms-train`` with the same ``endpoint`` and ``run_id``, and torch's c10d
+    rendezvous gathers them (the first node to bind ``endpoint`` hosts its store)."""
+
+    nnodes: int = 1
+    endpoint: str | None = None
+    run_id: str | None = None
+    #: After a rank fails, every node's agent restarts its ranks, up to this many times.
+    max_restarts: int = 0
