@@ -13,7 +13,15 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["SHM_PREFIXES", "TAG_ENV", "shm_segments", "tag_env", "tagged_processes", "wait_gone"]
+__all__ = [
+    "SHM_PREFIXES",
+    "TAG_ENV",
+    "rank_processes",
+    "shm_segments",
+    "tag_env",
+    "tagged_processes",
+    "wait_gone",
+]
 
 #: The environment variable that carries a job's tag.
 TAG_ENV = "MS_TESTING_JOB"
@@ -64,3 +72,21 @@ def shm_segments(prefixes: tuple[str, ...] = SHM_PREFIXES) -> set[str]:
     except FileNotFoundError:
         return set()
     return {n for n in names if n.startswith(prefixes)}
+
+
+def rank_processes(tag: str, module: str = "ms_train.cli") -> dict[int, list[int]]:
+    """The job's ranks by global rank: rank -> pids of live processes carrying ``tag``
+    that run ``module`` with ``RANK`` in their environment (a launcher has none; after a
+    restart a rank may briefly have two, the old one dying)."""
+    found: dict[int, list[int]] = {}
+    for pid, cmd in tagged_processes(tag).items():
+        if module not in cmd:
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [int(v[5:]) for v in env if v.startswith(b"RANK=") and v[5:].isdigit()]
+        if ranks:
+            found.setdefault(ranks[0], []).append(pid)
+    return {r: sorted(p) for r, p in sorted(found.items())}
