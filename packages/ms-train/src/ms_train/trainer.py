@@ -162,6 +162,32 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
+def _restart_store(timeout: datetime.timedelta) -> Any:
+    """Under torch's elastic agent, the rendezvous store of this restart round only.
+
+    The agent keeps one TCP store for the job's whole life and its workers join it with
+    no per-round prefix, so a restarted group finds the previous round's keys: gloo's
+    ranks then read the addresses of dead peers ("connectFullMesh ... Connection
+    refused") whenever they look before the new peer has written its own, and the
+    restart fails. A prefix per round (``TORCHELASTIC_RESTART_COUNT``) leaves the old
+    keys unseen. None outside the agent (``env://`` as usual).
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if restart is None or addr is None or port is None:
+        return None
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        addr,
+        int(port),
+        _env_int("WORLD_SIZE", 1),
+        is_master=not agent_hosts and _env_int("RANK", 0) == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    return dist.PrefixStore(f"ms-train/restart-{restart}", store)  # type: ignore[attr-defined]
+
+
 def _resolve_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -270,9 +296,18 @@ class Trainer:
             )
             # The group's own timeout bounds every collective, also those whose
             # wait(timeout) a backend ignores (gloo's emulated reduce-scatter).
-            dist.init_process_group(
-                backend, timeout=datetime.timedelta(seconds=config.parallel.collective_timeout_s)
-            )
+            timeout = datetime.timedelta(seconds=config.parallel.collective_timeout_s)
+            store = _restart_store(timeout)
+            if store is None:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                dist.init_process_group(
+                    backend,
+                    store=store,
+                    rank=_env_int("RANK", 0),
+                    world_size=world,
+                    timeout=timeout,
+                )
             self._owns_group = True
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1

@@ -10,6 +10,7 @@ before the fault.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ class Progress:
         self.path = Path(out_dir) / "metrics.jsonl"
         self._offset = 0
         self._partial = b""
+        self._file: tuple[int, int] | None = None
         #: (step, monotonic time first seen, record) in the order written; a step trained
         #: again after a restart appears again.
         self.seen: list[tuple[int, float, dict[str, object]]] = []
@@ -31,6 +33,12 @@ class Progress:
         """Read what was appended; the number of new records."""
         try:
             with open(self.path, "rb") as f:
+                ident = os.fstat(f.fileno())
+                if (ident.st_ino, ident.st_dev) != self._file or ident.st_size < self._offset:
+                    # A resumed run rewrites the file (its records up to the resume step,
+                    # under a new inode): read it again from the start. Steps seen again
+                    # are recorded again, with the new time.
+                    self._file, self._offset, self._partial = (ident.st_ino, ident.st_dev), 0, b""
                 f.seek(self._offset)
                 chunk = f.read()
         except FileNotFoundError:
