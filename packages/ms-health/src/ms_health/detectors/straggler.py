@@ -47,9 +47,9 @@ class Straggler:
     ``min_excess_s`` (timer noise of sub-millisecond steps is no straggler), is a
     strike; any other score clears the rank's strikes; a window the rank did not
     report in leaves them as they are. With the defaults (3 steps, 2 windows, 1.25) a
-    rank slowed 1.5x from some step on is flagged by the time the job reports the 9th
-    step after it (when every step is reported), and a run of up to 3 slow steps is
-    never flagged. A flagged rank is reported on every check until a window clears it.
+    rank slowed 1.5x from step s on is flagged once the job reports step s + 8 at the
+    latest (when every step is reported), and a run of up to 3 slow steps is never
+    flagged. A flagged rank is reported on every check until a window clears it.
     The strikes are the state that checkpoints.
     """
 
