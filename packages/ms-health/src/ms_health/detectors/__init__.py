@@ -9,7 +9,10 @@ the receipt time of the heartbeat that showed it for the others. A condition is
 reported on every check while it holds, and at least once even if it clears before
 the next check. ``state_dict`` holds only what was learned (timeouts, baselines,
 strikes), never driver-clock times, and ``reset(ranks)`` forgets the ranks' live
-state after a restart while keeping it.
+state after a restart while keeping it. A detector is not thread-safe: the driver
+makes one call at a time (heartbeats arrive on server threads, checks on a tick).
+Evidence lists at most 64 ranks one by one, so that findings of a large job stay
+small.
 
 ========================  =============  ===========================================
 detector                  kind           finds

@@ -75,11 +75,11 @@ class Hang:
     depends on things outside the job (storage, the scheduler, other nodes starting
     up; a restart loads a checkpoint that the first start-up did not), and a false
     alarm there costs a restart, while a hang there is rare. The first
-    ``warmup_steps`` steps of a process that starts in ``init`` carry one-time costs:
-    they are judged against the ``train`` start value (or the learned timeout if
-    longer) and not learned, so that one slow first step does not stretch every
-    later timeout. The learned intervals are the state that
-    checkpoints.
+    ``warmup_steps`` steps of a process first seen in ``init`` or without a step carry
+    one-time costs (compilation, allocator and cache warm-up): they are judged against
+    the ``train`` start value (or the learned timeout if longer) and not learned, so
+    that one slow first step does not stretch every later timeout. The learned
+    intervals are the state that checkpoints.
 
     Suspects: when the live ranks are at different steps, those at the lowest step
     (furthest behind; a rank without a step counts as lowest); otherwise the ranks
