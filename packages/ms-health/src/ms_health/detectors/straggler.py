@@ -1,0 +1,205 @@
+"""A rank slower than its peers, flagged only when it stays the outlier (Minder's rule:
+a machine is faulty when its metrics differ from its peers' over consecutive windows,
+not at one sample)."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from ms_health.detectors._common import (
+    Outbox,
+    StateReader,
+    StepBins,
+    detector_name,
+    integer,
+    listed,
+    median,
+    number,
+    rank_set,
+)
+from ms_health.findings import Finding
+from ms_health.record import HeartbeatRecord
+
+__all__ = ["Straggler"]
+
+_VERSION = 1
+_KEY = "straggler"
+_MAX_RANKS = 1_000_000
+
+
+class Straggler:
+    """Flags ranks whose busy time per step exceeds ``threshold`` x their peers' median
+    in ``windows`` consecutive windows of ``window_steps`` steps (kind ``"straggler"``).
+
+    Busy time is ``step_time_s - wait_s``: in synchronous training every rank's step
+    lasts as long as the slowest rank's, because the others wait for it in the
+    collectives, so only the part not spent waiting tells the straggler apart. Where a
+    heartbeat has no ``wait_s``, its step time is used (which then only separates
+    ranks that do not wait for each other). Only phase ``train`` counts.
+
+    Per window, a rank's figure is the median of the busy times it reported in the
+    window (one slow step of three does not move it); its score is that figure over
+    the median of the other ranks' figures. A score above the threshold, by more than
+    ``min_excess_s`` (timer noise of sub-millisecond steps is no straggler), is a
+    strike; any other score clears the rank's strikes; a window the rank did not
+    report in leaves them as they are. With the defaults (3 steps, 2 windows, 1.25) a
+    rank slowed 1.5x from step s on is flagged once the job reports step s + 8 at the
+    latest (when every step is reported), and a run of up to 3 slow steps is never
+    flagged. A flagged rank is reported on every check until a window clears it.
+    The strikes are the state that checkpoints.
+    """
+
+    def __init__(
+        self,
+        *,
+        window_steps: int = 3,
+        windows: int = 2,
+        threshold: float = 1.25,
+        min_excess_s: float = 0.001,
+        name: str = "straggler",
+    ) -> None:
+        self.name = detector_name(name)
+        self.window_steps = integer("window_steps", window_steps, low=1)
+        self.windows = integer("windows", windows, low=1)
+        self.threshold = number("threshold", threshold, low=1.0)
+        self.min_excess_s = number("min_excess_s", min_excess_s, low=0.0, strict=False)
+        # A window is complete once some rank is one step into the one after the next
+        # window's start: ranks of a synchronous job are within a step of each other.
+        self._bins = StepBins(width=self.window_steps, lag=1)
+        self._strikes: dict[int, int] = {}
+        self._scores: dict[int, float] = {}
+        self._outbox = Outbox()
+
+    @property
+    def scores(self) -> dict[int, float]:
+        """Each rank's score in the last complete window (busy time over peers' median)."""
+        return dict(self._scores)
+
+    @property
+    def strikes(self) -> dict[int, int]:
+        """Consecutive windows each rank has been above the threshold."""
+        return {r: n for r, n in self._strikes.items() if n}
+
+    def observe(self, record: HeartbeatRecord, now: float) -> None:
+        if record.phase != "train" or record.step is None or record.step_time_s is None:
+            return
+        busy = max(0.0, record.step_time_s - (record.wait_s or 0.0))
+        added = self._bins.add(record.rank, record.pid, record.step, busy)
+        if added.rewound:
+            self._forget_live()
+        for window, per_rank in added.closed:
+            self._judge(window, per_rank, now)
+
+    def _judge(self, window: int, per_rank: Mapping[int, Sequence[float]], now: float) -> None:
+        figures = {rank: median(v) for rank, v in per_rank.items() if v}
+        if len(figures) < 2:
+            return  # no peers to compare with
+        ordered = sorted(figures.values())
+        scores: dict[int, float] = {}
+        peers: dict[int, float] = {}
+        for rank, busy in figures.items():
+            peer = _median_without(ordered, busy)
+            if peer <= 0.0:
+                continue  # peers that do no work give no scale
+            scores[rank], peers[rank] = busy / peer, peer
+            slow = busy / peer > self.threshold and busy - peer > self.min_excess_s
+            self._strikes[rank] = self._strikes.get(rank, 0) + 1 if slow else 0
+        self._scores = scores
+        flagged = sorted(r for r, n in self._strikes.items() if n >= self.windows)
+        if not flagged:
+            self._outbox.clear(_KEY)
+            return
+        first, last = window * self.window_steps, (window + 1) * self.window_steps - 1
+        by_score = sorted(scores, key=lambda r: -scores[r])
+        shown = ", ".join(
+            f"{r} ({scores[r]:.2f}x)" if r in scores else f"{r} (no report)" for r in flagged
+        )
+        self._outbox.put(
+            _KEY,
+            Finding(
+                detector=self.name,
+                kind="straggler",
+                ranks=tuple(flagged),
+                message=(
+                    f"rank(s) {shown} busier per step than their peers' median in "
+                    f"{self.windows}+ consecutive windows of {self.window_steps} steps, "
+                    f"last steps {first}-{last} (threshold {self.threshold:g}x)"
+                ),
+                evidence={
+                    "steps": [first, last],
+                    "threshold": self.threshold,
+                    "windows": self.windows,
+                    "window_steps": self.window_steps,
+                    "scores": listed({r: round(s, 4) for r, s in scores.items()}, by_score),
+                    "busy_s": listed({r: round(figures[r], 6) for r in flagged if r in figures}),
+                    "peer_median_s": listed({r: round(peers[r], 6) for r in flagged if r in peers}),
+                    "strikes": listed({r: self._strikes[r] for r in flagged}),
+                    "ranks_scored": len(scores),
+                },
+                at=now,
+                step=last,
+            ),
+        )
+
+    def check(self, now: float) -> list[Finding]:
+        return self._outbox.collect()
+
+    def _forget_live(self) -> None:
+        self._strikes.clear()
+        self._scores.clear()
+        self._outbox.drop_all()
+
+    def reset(self, ranks: tuple[int, ...] | None = None) -> None:
+        chosen = rank_set(ranks)
+        self._bins.reset(chosen)
+        if chosen is None:
+            self._forget_live()
+            return
+        for rank in chosen:
+            self._strikes.pop(rank, None)
+            self._scores.pop(rank, None)
+        if self._outbox.keys():
+            kept = tuple(r for r in self._outbox[_KEY].ranks if r not in chosen)
+            if kept:
+                self._outbox.put(_KEY, _with_ranks(self._outbox[_KEY], kept))
+            else:
+                self._outbox.drop_all()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"version", "detector", "strikes": {rank: consecutive windows}}``: a restarted
+        driver keeps counting where the last one stopped."""
+        return {
+            "version": _VERSION,
+            "detector": type(self).__name__,
+            "strikes": {str(r): n for r, n in self._strikes.items() if n},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        reader = StateReader(state, type(self).__name__, _VERSION)
+        raw = reader.mapping("strikes", limit=_MAX_RANKS)
+        strikes = {}
+        for key, n in raw.items():
+            rank = reader.rank("strikes", key)
+            strikes[rank] = reader.integer(f"'strikes'][{key!r}", n)
+        self._strikes = strikes
+
+
+def _median_without(ordered: Sequence[float], value: float) -> float:
+    """The median of sorted ``ordered`` without one occurrence of ``value`` (in
+    O(log n) rather than a sort per rank: a window of 1,000 ranks scores each)."""
+    i = bisect.bisect_left(ordered, value)
+    n = len(ordered) - 1
+
+    def at(j: int) -> float:
+        return ordered[j] if j < i else ordered[j + 1]
+
+    mid = n // 2
+    return at(mid) if n % 2 else 0.5 * (at(mid - 1) + at(mid))
+
+
+def _with_ranks(finding: Finding, ranks: tuple[int, ...]) -> Finding:
+    return attrs.evolve(finding, ranks=ranks)

@@ -1,0 +1,273 @@
+"""NonFiniteLoss and LossSpike on heartbeats that went through the wire format (where a
+NaN travels as the string "nan")."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ms_health.detectors import LossSpike, NonFiniteLoss
+from ms_health.findings import Finding
+from ms_health.record import HeartbeatRecord, parse_heartbeat
+
+BASE = HeartbeatRecord(
+    job="job",
+    rank=0,
+    world_size=4,
+    local_rank=0,
+    node="n0",
+    host="h0",
+    pid=100,
+    seq=0,
+    sent_at=0.0,
+    status="running",
+    phase="train",
+)
+
+
+def beat(rank: int, **kw: Any) -> HeartbeatRecord:
+    rec = attrs.evolve(BASE, **{"rank": rank, "pid": 100 + rank, **kw})
+    return parse_heartbeat(json.dumps(rec.to_json()))
+
+
+def feed(
+    det: NonFiniteLoss | LossSpike,
+    steps: range,
+    loss: Callable[[int, int], float],
+    *,
+    ranks: int = 4,
+    t0: float = 0.0,
+    pid: int = 100,
+) -> dict[int, list[Finding]]:
+    """Every rank reports every step (time 0.1 s per step), then the driver checks;
+    returns the findings of the check after each step."""
+    out = {}
+    for step in steps:
+        now = t0 + 0.1 * step
+        for rank in range(ranks):
+            det.observe(beat(rank, step=step, loss=loss(step, rank), pid=pid + rank), now)
+        out[step] = det.check(now + 0.05)
+    return out
+
+
+def curve(step: int, rank: int) -> float:
+    """A decreasing loss with noise, different per rank (local losses)."""
+    rng = random.Random(step * 31 + rank)
+    return 4.0 * math.exp(-step / 200) + rng.uniform(-0.05, 0.05)
+
+
+# ------------------------------------------------------------------------ NonFiniteLoss
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_nonfinite_loss_is_reported_at_its_step(bad: float) -> None:
+    det = NonFiniteLoss()
+    found = feed(det, range(30), lambda s, r: bad if s >= 17 and r == 2 else curve(s, r))
+    assert all(found[s] == [] for s in range(17))
+    assert found[17], "not reported at the check after the heartbeat that carries it"
+    f = found[17][0]
+    assert (f.kind, f.step, f.ranks) == ("nonfinite", 17, (2,))
+    assert f.at == pytest.approx(1.7), "found at the heartbeat's receipt"
+    spelled = {math.inf: "inf", -math.inf: "-inf"}.get(bad, "nan")
+    assert f.evidence["losses"] == {"2": spelled}
+    json.dumps(f.to_json(), allow_nan=False)
+    # Later non-finite losses do not move it: step 17 is the step to roll back before.
+    assert [(g.step, g.ranks) for g in found[29]] == [(17, (2,))]
+
+
+def test_ranks_that_go_nan_at_one_step_share_a_finding() -> None:
+    det = NonFiniteLoss()
+    found = feed(det, range(10), lambda s, r: math.nan if s >= 5 and r < 3 else 1.0)
+    assert [(f.step, f.ranks) for f in found[5]] == [(5, (0, 1, 2))]
+
+
+def test_reset_and_a_new_process_start_over() -> None:
+    det = NonFiniteLoss()
+    feed(det, range(10), lambda s, r: math.nan if s >= 5 else 1.0)
+    det.reset((0, 1))
+    assert [f.ranks for f in det.check(5.0)] == [(2, 3)]
+    det.reset()
+    assert det.check(5.0) == []
+    # The job rolled back to step 3 and runs new processes; the NaN comes back at 8.
+    found = feed(det, range(4, 12), lambda s, r: math.nan if s >= 8 else 1.0, t0=10.0, pid=500)
+    assert found[7] == []
+    assert [(f.step, f.ranks) for f in found[8]] == [(8, (0, 1, 2, 3))]
+    # Without reset: a new process of rank 0 (another pid) with finite losses clears it.
+    det.observe(beat(0, step=4, loss=1.0, pid=900), 20.0)
+    assert [f.ranks for f in det.check(20.0)] == [(1, 2, 3)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(-10.0, 10.0),
+            st.sampled_from([math.nan, math.inf, -math.inf]),
+            st.none(),
+        ),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_the_nan_detector_fires_exactly_at_the_first_nonfinite_step(
+    losses: list[float | None],
+) -> None:
+    det = NonFiniteLoss()
+    first = next((s for s, x in enumerate(losses) if x is not None and not math.isfinite(x)), None)
+    for step, loss in enumerate(losses):
+        det.observe(beat(0, step=step, loss=loss), float(step))
+        found = det.check(step + 0.5)
+        if first is None or step < first:
+            assert found == []
+        else:
+            assert [(f.step, f.at) for f in found] == [(first, float(first))]
+
+
+def test_nonfinite_state_round_trips_and_refuses_another_detector() -> None:
+    det = NonFiniteLoss()
+    det.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    with pytest.raises(ValueError, match=r"state\['detector'\]"):
+        det.load_state_dict({"version": 1, "detector": "LossSpike"})
+
+
+# ---------------------------------------------------------------------------- LossSpike
+
+
+def test_a_spike_is_reported_once_per_step_with_the_ranks_that_saw_it() -> None:
+    det = LossSpike()
+    spike = 60
+
+    def loss(s: int, r: int) -> float:
+        return 3 * curve(s, r) if s == spike else curve(s, r)
+
+    found = feed(det, range(100), loss)
+    assert all(found[s] == [] for s in range(spike))
+    assert len(found[spike]) == 1, "one finding per step, not one per rank"
+    f = found[spike][0]
+    assert (f.kind, f.step, f.ranks) == ("loss_spike", spike, (0, 1, 2, 3))
+    assert f.at == pytest.approx(0.1 * spike)  # the first rank's heartbeat
+    assert set(f.evidence["losses"]) == {"0", "1", "2", "3"}
+    assert min(f.evidence["scores"].values()) > f.evidence["threshold"] == 6.0
+    assert f.evidence["history_steps"] == 50
+    json.dumps(f.to_json(), allow_nan=False)
+    # The next step is normal: once it is complete (a later step shows up), the spike
+    # is over and not reported again.
+    assert [g.step for g in found[spike + 1]] == [spike]
+    assert all(found[s] == [] for s in range(spike + 2, 100))
+
+
+def test_a_spike_on_one_rank_names_that_rank() -> None:
+    det = LossSpike()
+    found = feed(det, range(40), lambda s, r: 10.0 if (s, r) == (30, 1) else curve(s, r))
+    assert [(f.step, f.ranks) for f in found[30]] == [(30, (1,))]
+
+
+def test_a_spike_that_clears_before_the_check_is_still_reported_once() -> None:
+    det = LossSpike()
+    feed(det, range(30), curve)
+    det.observe(beat(0, step=30, loss=50.0), 3.0)
+    det.observe(beat(0, step=31, loss=curve(31, 0)), 3.1)
+    det.observe(beat(0, step=32, loss=curve(32, 0)), 3.2)  # step 31 closes: normal
+    assert [f.step for f in det.check(3.3)] == [30]
+    assert det.check(3.4) == []
+
+
+def test_a_loss_that_stays_high_is_reported_until_it_comes_back() -> None:
+    det = LossSpike()
+    found = feed(det, range(40), lambda s, r: 2.0 + 0.001 * r + (3.0 if 25 <= s < 28 else 0.0))
+    assert [f.step for f in found[25]] == [25]
+    assert [f.step for f in found[27]] == [25, 26, 27]
+    assert found[29] == []
+
+
+def test_no_spike_during_warmup() -> None:
+    det = LossSpike(warmup=20)
+    found = feed(det, range(25), lambda s, r: 100.0 if s == 15 else curve(s, r))
+    assert all(not f for f in found.values())
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    level=st.floats(0.01, 100.0),
+    noise=st.lists(st.floats(-0.02, 0.02), min_size=30, max_size=120),
+)
+def test_a_loss_within_2_percent_of_a_level_never_spikes(level: float, noise: list[float]) -> None:
+    det = LossSpike(warmup=5)
+    for step, e in enumerate(noise):
+        det.observe(beat(0, step=step, loss=level * (1 + e)), float(step))
+        assert det.check(step + 0.5) == []
+
+
+def test_the_history_survives_a_driver_restart_and_a_job_rollback() -> None:
+    det = LossSpike()
+    feed(det, range(60), curve)
+    saved = json.loads(json.dumps(det.state_dict()))
+    assert saved["version"] == 1 and len(saved["history"]) == 50
+    restarted = LossSpike()
+    restarted.load_state_dict(saved)
+    # No warm-up again: the first spike after the restart is seen.
+    found = feed(restarted, range(60, 63), lambda s, r: 20.0 if s == 61 else curve(s, r))
+    assert [f.step for f in found[61]] == [61]
+    # The job rolls back to step 40 in new processes and replays: no false alarm.
+    restarted.reset()
+    found = feed(restarted, range(40, 70), curve, t0=100.0, pid=700)
+    assert all(not f for f in found.values())
+
+
+def test_a_rollback_seen_without_reset_starts_counting_over() -> None:
+    det = LossSpike()
+    feed(det, range(60), curve)
+    found = feed(det, range(30, 45), lambda s, r: 20.0 if s == 40 else curve(s, r), pid=300)
+    assert [f.step for f in found[40]] == [40]
+
+
+def test_a_longer_saved_history_keeps_its_latest_steps() -> None:
+    det = LossSpike(window=10, warmup=5)
+    det.load_state_dict({"version": 1, "detector": "LossSpike", "history": list(range(100))})
+    assert det.state_dict()["history"] == list(range(90, 100))
+
+
+@pytest.mark.parametrize(
+    ("state", "field"),
+    [
+        ({"version": "1", "detector": "LossSpike", "history": []}, r"state\['version'\]"),
+        ({"version": 1, "detector": "LossSpike"}, r"state\['history'\] is missing"),
+        ({"version": 1, "detector": "LossSpike", "history": {}}, r"state\['history'\]"),
+        (
+            {"version": 1, "detector": "LossSpike", "history": [1.0, 2.0, None]},
+            r"state\['history'\]\[2\]",
+        ),
+        (
+            {"version": 1, "detector": "LossSpike", "history": [float("nan")]},
+            r"state\['history'\]\[0\] must be a finite number",
+        ),
+    ],
+)
+def test_a_bad_spike_state_is_refused_naming_the_field(state: Any, field: str) -> None:
+    det = LossSpike()
+    with pytest.raises(ValueError, match=field):
+        det.load_state_dict(state)
+    assert det.state_dict()["history"] == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"threshold": 0}, "threshold"),
+        ({"window": 2}, "window"),
+        ({"warmup": 2}, "warmup"),
+        ({"warmup": 60, "window": 50}, "warmup"),
+        ({"rel_floor": -0.1}, "rel_floor"),
+    ],
+)
+def test_bad_spike_arguments_are_refused_naming_them(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        LossSpike(**kwargs)

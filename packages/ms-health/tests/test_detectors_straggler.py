@@ -1,0 +1,258 @@
+"""Straggler (Minder's rule) on synchronous steps: every rank's step lasts as long as the
+slowest rank's, and the busy part (step minus collective wait) tells them apart."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ms_health.detectors import Straggler
+from ms_health.findings import Finding
+from ms_health.record import HeartbeatRecord
+
+BASE = HeartbeatRecord(
+    job="job",
+    rank=0,
+    world_size=4,
+    local_rank=0,
+    node="n0",
+    host="h0",
+    pid=100,
+    seq=0,
+    sent_at=0.0,
+    status="running",
+    phase="train",
+)
+
+
+def sync_steps(
+    det: Straggler,
+    steps: range,
+    busy: Callable[[int, int], float],
+    *,
+    ranks: int = 4,
+    comm_s: float = 0.01,
+    report: Callable[[int, int], bool] = lambda s, r: True,
+    wait: bool = True,
+    pid: int = 100,
+) -> dict[int, list[Finding]]:
+    """Synchronous steps: each rank computes ``busy(step, rank)`` seconds, then waits in
+    the collective for the slowest; the driver checks after each step."""
+    out = {}
+    now = 0.0
+    for step in steps:
+        times = {r: busy(step, r) for r in range(ranks)}
+        step_time = max(times.values()) + comm_s
+        now += step_time
+        for r in range(ranks):
+            if report(step, r):
+                rec = attrs.evolve(
+                    BASE,
+                    rank=r,
+                    pid=pid + r,
+                    step=step,
+                    step_time_s=step_time,
+                    wait_s=step_time - times[r] if wait else None,
+                )
+                det.observe(rec, now)
+        out[step] = det.check(now)
+    return out
+
+
+def slowed(rank: int, start: int, factor: float = 1.5, base: float = 0.1) -> Callable[..., float]:
+    def busy(step: int, r: int) -> float:
+        return base * factor if r == rank and step >= start else base
+
+    return busy
+
+
+def first_finding(found: dict[int, list[Finding]]) -> tuple[int, Finding] | None:
+    return next(((s, fs[0]) for s, fs in sorted(found.items()) if fs), None)
+
+
+@pytest.mark.parametrize("start", range(20, 26))
+def test_a_rank_slowed_1_5x_is_flagged_within_10_steps(start: int) -> None:
+    det = Straggler()
+    found = sync_steps(det, range(60), slowed(2, start))
+    hit = first_finding(found)
+    assert hit is not None, "the straggler was not flagged"
+    step, f = hit
+    assert step - start < 10, f"flagged {step - start} steps after the slowdown began"
+    assert (f.kind, f.ranks) == ("straggler", (2,))
+    scores = f.evidence["scores"]
+    assert scores["2"] == pytest.approx(1.5)
+    assert all(scores[str(r)] == pytest.approx(1.0) for r in (0, 1, 3))
+    assert next(iter(scores)) == "2", "the highest score comes first"
+    assert f.evidence["busy_s"]["2"] == pytest.approx(0.15)
+    assert f.evidence["peer_median_s"]["2"] == pytest.approx(0.1)
+    assert f.evidence["strikes"]["2"] >= 2
+    json.dumps(f.to_json(), allow_nan=False)
+    assert det.scores[2] == pytest.approx(1.5)
+    # Reported as long as it lasts.
+    assert all(found[s] for s in range(step, 60))
+
+
+def test_step_times_alone_cannot_tell_but_the_busy_time_can() -> None:
+    # Without wait_s every synchronous rank has the same step time: nobody stands out.
+    blind = sync_steps(Straggler(), range(40), slowed(1, 10), wait=False)
+    assert all(f == [] for f in blind.values())
+    assert sync_steps(Straggler(), range(40), slowed(1, 10))[20]
+
+
+def test_without_wait_the_step_time_is_used() -> None:
+    # Ranks that do not wait for each other (no collective): the slow one shows in its
+    # own step time.
+    det = Straggler()
+    for step in range(30):
+        for r in range(3):
+            t = 0.15 if r == 0 and step >= 5 else 0.1
+            det.observe(attrs.evolve(BASE, rank=r, pid=100 + r, step=step, step_time_s=t), step)
+    assert [f.ranks for f in det.check(30.0)] == [(0,)]
+
+
+@pytest.mark.parametrize("slow_steps", [1, 2, 3])
+@pytest.mark.parametrize("start", range(20, 23))
+def test_brief_jitter_on_one_rank_is_not_flagged(slow_steps: int, start: int) -> None:
+    def busy(step: int, r: int) -> float:
+        return 0.3 if r == 1 and start <= step < start + slow_steps else 0.1
+
+    found = sync_steps(Straggler(), range(60), busy)
+    assert all(f == [] for f in found.values())
+
+
+def test_a_flagged_rank_that_recovers_is_cleared() -> None:
+    det = Straggler()
+    found = sync_steps(det, range(60), lambda s, r: 0.15 if r == 3 and 10 <= s < 30 else 0.1)
+    assert found[25] and found[25][0].ranks == (3,)
+    assert all(found[s] == [] for s in range(34, 60))
+
+
+def test_two_ranks_the_slow_one_is_flagged() -> None:
+    found = sync_steps(Straggler(), range(30), slowed(0, 5), ranks=2)
+    hit = first_finding(found)
+    assert hit is not None and hit[1].ranks == (0,)
+    assert hit[1].evidence["scores"]["1"] == pytest.approx(1 / 1.5, abs=1e-4)
+
+
+def test_sparse_and_repeated_heartbeats_still_flag_the_straggler() -> None:
+    # Each rank reports two steps of three, and every heartbeat comes twice.
+    det = Straggler()
+    found = sync_steps(det, range(60), slowed(1, 10), report=lambda s, r: (s + r) % 3 != 0)
+    hit = first_finding(found)
+    assert hit is not None and hit[1].ranks == (1,)
+
+
+def test_a_restarted_rank_starts_over() -> None:
+    det = Straggler()
+    sync_steps(det, range(40), slowed(2, 10))
+    assert det.strikes.get(2, 0) >= 2
+    det.reset((2,))  # evicted and replaced: the new node is healthy
+    assert det.check(100.0) == []
+    assert 2 not in det.strikes
+    found = sync_steps(det, range(40, 80), lambda s, r: 0.1, pid=100)
+    assert all(f == [] for f in found.values())
+
+
+def test_the_strikes_survive_a_driver_restart() -> None:
+    det = Straggler(windows=3)
+    sync_steps(det, range(17), slowed(2, 10))
+    saved = json.loads(json.dumps(det.state_dict()))
+    assert saved == {"version": 1, "detector": "Straggler", "strikes": {"2": 2}}
+    restarted = Straggler(windows=3)
+    restarted.load_state_dict(saved)
+    # One more slow window is the third strike.
+    found = sync_steps(restarted, range(18, 26), slowed(2, 10))
+    hit = first_finding(found)
+    assert hit is not None and hit[0] <= 22 and hit[1].ranks == (2,)
+    fresh = sync_steps(Straggler(windows=3), range(18, 26), slowed(2, 10))
+    assert first_finding(fresh) is None or first_finding(fresh)[0] > 22  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("state", "field"),
+    [
+        ({"version": 1, "detector": "Straggler"}, r"state\['strikes'\] is missing"),
+        ({"version": 1, "detector": "Straggler", "strikes": [1]}, r"state\['strikes'\]"),
+        (
+            {"version": 1, "detector": "Straggler", "strikes": {"x": 1}},
+            r"state\['strikes'\]\['x'\]",
+        ),
+        ({"version": 1, "detector": "Straggler", "strikes": {"-1": 1}}, r"\['strikes'\]\['-1'\]"),
+        ({"version": 1, "detector": "Straggler", "strikes": {"3": -1}}, r"\['strikes'\]\['3'\]"),
+        ({"version": 1, "detector": "Straggler", "strikes": {"3": 1.0}}, r"\['strikes'\]\['3'\]"),
+        ({"version": 1, "detector": "Hang", "strikes": {}}, r"state\['detector'\]"),
+    ],
+)
+def test_a_bad_straggler_state_is_refused_naming_the_field(state: Any, field: str) -> None:
+    det = Straggler()
+    det.load_state_dict({"version": 1, "detector": "Straggler", "strikes": {"1": 1}})
+    with pytest.raises(ValueError, match=field):
+        det.load_state_dict(state)
+    assert det.strikes == {1: 1}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"window_steps": 0}, "window_steps"),
+        ({"windows": 0}, "windows"),
+        ({"threshold": 1.0}, "threshold"),
+        ({"threshold": "1.3"}, "threshold"),
+        ({"min_excess_s": -1.0}, "min_excess_s"),
+    ],
+)
+def test_bad_straggler_arguments_are_refused_naming_them(
+    kwargs: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ValueError, match=field):
+        Straggler(**kwargs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ranks=st.integers(2, 8),
+    steps=st.integers(10, 80),
+    base=st.floats(0.001, 10.0),
+    # Busy times within +-10 % of one speed: any two differ by less than 1.1/0.9 < 1.25.
+    jitter=st.floats(0.0, 0.1),
+    seed=st.integers(0, 2**32 - 1),
+    reported=st.floats(0.3, 1.0),
+)
+def test_equal_speed_ranks_with_jitter_below_the_threshold_are_never_flagged(
+    ranks: int, steps: int, base: float, jitter: float, seed: int, reported: float
+) -> None:
+    rng = random.Random(seed)
+    found = sync_steps(
+        Straggler(),
+        range(steps),
+        lambda s, r: base * (1 + rng.uniform(-jitter, jitter)),
+        ranks=ranks,
+        report=lambda s, r: rng.random() < reported,
+    )
+    assert all(f == [] for f in found.values())
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    ranks=st.integers(2, 8),
+    start=st.integers(0, 30),
+    factor=st.floats(1.5, 4.0),
+    base=st.floats(0.01, 10.0),
+    slow=st.integers(0, 7),
+)
+def test_a_rank_slowed_1_5x_or_more_is_flagged_within_10_steps(
+    ranks: int, start: int, factor: float, base: float, slow: int
+) -> None:
+    slow %= ranks
+    found = sync_steps(
+        Straggler(), range(start + 12), slowed(slow, start, factor, base), ranks=ranks
+    )
+    hit = first_finding(found)
+    assert hit is not None and hit[0] - start < 10 and hit[1].ranks == (slow,)
