@@ -355,3 +355,41 @@ def test_one_process_stops_on_ctrl_c(corpus: Path, tmp_path: Path) -> None:
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
     assert max(_committed(out)) == int(accounts[0][0]) == _reached(out)
     _assert_nothing_left(tree, set())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_rank_whose_peer_dies_during_a_save_ends_without_waiting_for_it(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """Rank 1 is SIGKILLed while both ranks' saves of step 10 are held in stage 2. Rank 0's
+    next collective fails; it must then end at once, not wait at close for a save that
+    needs the dead rank's part (its writer would wait up to ms-ckpt's commit timeout)
+    while SIGTERM, with a grace period of 600 s here, does not end it either. The step
+    stays uncommitted; step 5 is intact."""
+    out = tmp_path / "out"
+    config = _write_config(tmp_path / "c.toml", corpus, out, every=5)
+    with open(config, "a") as f:
+        f.write("grace_s = 600\n")  # [checkpoint] is the file's last table
+    marker = tmp_path / "holding"
+    job = _start("-m", "_held_rank", str(config), "10", "150", str(marker))
+    try:
+        _wait_for("a held save", marker.exists, job)
+        tree = _descendants(job.pid)
+        (victim,) = [
+            p
+            for p, cmd in tree.items()
+            if "_held_rank" in cmd
+            and b"RANK=1" in Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+        ]
+        os.kill(victim, signal.SIGKILL)
+        output, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(timeout=60)
+    assert job.returncode == 1, output
+    assert "rank 1 (killed by SIGKILL)" in output, output
+    assert "rank 0 (killed" not in output, output  # it ended on its own
+    assert _committed(out) == [5]
+    _assert_nothing_left(tree, set())

@@ -23,6 +23,7 @@ an expected error.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -84,6 +85,10 @@ def run_rank(
         _procs.die_with_parent(under[0])
     elif "TORCHELASTIC_RUN_ID" in os.environ:
         _procs.die_with_parent(os.getppid())  # torchrun's agent
+    if world > 1:
+        # `kill -USR1 <pid>` prints every thread's stack, even from a rank stuck in C
+        # with the GIL held (faulthandler's handler needs no GIL), as py-spy dump would.
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     try:
         with trainer_cls(config, peak_flops=peak_flops) as trainer:
             trainer.train()

@@ -834,5 +834,16 @@ class Trainer:
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if (
+            kind is not None
+            and not issubclass(kind, _stop.Stopped)
+            and self.world_size > 1
+            and not self._closed
+        ):
+            # A rank that fails mid-run must not wait at close for a save in flight: its
+            # commit needs every rank's part, and a peer may be dead (the writer would
+            # wait for checkpoint commit_timeout while the launcher wants the rank gone).
+            # The save stays uncommitted; the committed steps are untouched.
+            self.checkpointer.abort()
         self.close()
