@@ -153,7 +153,7 @@ class Heartbeat:
         self._step: Any = None
         self._loss: Any = None
         self._step_time: float | None = None
-        self._step_at: float | None = None
+        self._step_t: float | None = None  # perf_counter at the last step()
         self._clock_t: float | None = None  # start of the step now running
         self._window_tokens = 0.0
         self._window_s = 0.0
@@ -175,7 +175,7 @@ class Heartbeat:
         self._hardware: dict[str, Any] | None = None
         self._gpu_known = False
         self._log_sent = 0  # the tap's count of the last log line delivered
-        self._trouble: str | None = None  # what the current outage was logged as
+        self._trouble = False  # an outage is going on (and was logged)
         self.sent = 0
         self.failures = 0
         self.rejected = 0
@@ -224,12 +224,11 @@ class Heartbeat:
         heartbeat. A tensor loss is converted on the sender's thread, not here.
         """
         t = time.perf_counter()
-        wall = time.time()
         try:
             with self._lock:
                 self._step = step
                 self._loss = loss
-                self._step_at = wall
+                self._step_t = t  # made wall-clock when sent: one clock read less here
                 if self._saw_events:
                     self._wait_last = self._wait_now
                 self._wait_now = 0.0
@@ -358,40 +357,40 @@ class Heartbeat:
         except TransportError as e:
             self.failures += 1
             self._trouble_once(
-                "down",
                 f"ms-health: cannot reach the driver at {self.url} ({e}); retrying every "
-                f"{self.interval_s:g} s",
+                f"{self.interval_s:g} s"
             )
             return
         if code != 200:
             self.rejected += 1
             self._trouble_once(
-                f"http {code}",
-                f"ms-health: the driver at {self.url} refused heartbeats with HTTP {code}: "
-                f"{str(reply.get('error', ''))[:200]}",
+                f"ms-health: the driver at {self.url} refused a heartbeat with HTTP {code}: "
+                f"{str(reply.get('error', ''))[:200]}; retrying every {self.interval_s:g} s"
             )
             return
         self.sent += 1
         self._log_sent = last_log
-        if self._trouble is not None:
+        if self._trouble:
             _log.info(
-                "ms-health: heartbeats reach the driver again after %d failures",
+                "ms-health: heartbeats reach the driver at %s again (%d failed so far)",
+                self.url,
                 self.failures + self.rejected,
             )
-            self._trouble = None
+            self._trouble = False
         request = reply.get("dump")
         if isinstance(request, int) and not isinstance(request, bool) and request >= 0:
             self._answer_dump(request)
 
-    def _trouble_once(self, key: str, message: str) -> None:
-        if self._trouble != key:
-            self._trouble = key
+    def _trouble_once(self, message: str) -> None:
+        # One warning per outage, however long it lasts and whatever its failures are.
+        if not self._trouble:
+            self._trouble = True
             _log.warning(message)
 
     def _record(self, status: str) -> tuple[HeartbeatRecord, int]:
         with self._lock:
             phase, step, loss = self._phase, self._step, self._loss
-            step_time, step_at, wait = self._step_time, self._step_at, self._wait_last
+            step_time, step_t, wait = self._step_time, self._step_t, self._wait_last
             last_op, mesh = self._last_op, self._mesh
             if self._window_s > 0:
                 self._tokens_per_s = self._window_tokens / self._window_s
@@ -414,7 +413,7 @@ class Heartbeat:
             loss=_as_float(loss),
             tokens_per_s=_as_rate(tokens_per_s),
             step_time_s=_as_rate(step_time),
-            step_at=step_at,
+            step_at=None if step_t is None else time.time() - (time.perf_counter() - step_t),
             wait_s=_as_rate(wait),
             last_op=_as_op(last_op),
             mesh=mesh,
