@@ -330,7 +330,9 @@ def test_state_is_saved_when_it_changes_and_restored(tmp_path: Path, clock: Fake
     with Driver(TOKEN, detectors=[fresh, Recorder()], tick_s=None, state_path=state) as d2:
         assert fresh.longest == {1: 4.0}
         assert d2.job == "j" and d2.world_size == 2
-        assert d2.events()[0].seq == seq + 2  # numbering goes on
+        first = d2.events()[0]
+        assert first.seq == seq + 2 and first.kind == "restored"  # numbering goes on
+        assert first.evidence["detectors"] == ["silence"]
         status = request(d2.url, "GET", "/status")[1]
         assert status["ranks"]["never_heard"] == [0, 1]
     # a detector the next driver does not run keeps its learned state in the file
@@ -380,6 +382,8 @@ def test_an_unreadable_state_file_is_refused(tmp_path: Path) -> None:
         ({"tick_s": 0}, ValueError, "tick_s must be a finite number > 0, got 0"),
         ({"job": ""}, ValueError, "job must be a non-empty string or None"),
         ({"on_finding": 3}, TypeError, "on_finding must be callable"),
+        ({"max_events": 0}, ValueError, "max_events must be an int >= 1, got 0"),
+        ({"max_connections": 1.5}, ValueError, "max_connections must be an int >= 1"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(kwargs: Any, error: type, message: str) -> None:

@@ -200,6 +200,20 @@ def test_tokens_per_s_covers_the_steps_since_the_last_heartbeat(
         assert again.tokens_per_s == record.tokens_per_s
 
 
+def test_a_connection_the_driver_closed_while_idle_is_replaced_without_a_failure(
+    recorder: Recorder,
+) -> None:
+    # The driver closes a kept-alive connection after io_timeout_s of silence; a sender
+    # beating more slowly finds it closed at every heartbeat and reconnects at once.
+    with (
+        Driver(TOKEN, detectors=[recorder], tick_s=None, io_timeout_s=0.05) as driver,
+        Heartbeat(driver.url, TOKEN, job="j", interval_s=0.3) as hb,
+    ):
+        wait_until(lambda: len(recorder.of(0)) >= 4, "four heartbeats")
+        assert hb.failures == 0 and hb.rejected == 0
+        assert "ms_health_rejected_requests_total{" not in driver.metrics()
+
+
 def test_the_loop_api_never_raises(driver: Driver, recorder: Recorder) -> None:
     with Heartbeat(driver.url, TOKEN, job="j", interval_s=3600) as hb:
         hb.set_phase("train")

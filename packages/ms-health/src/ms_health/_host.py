@@ -18,8 +18,9 @@ __all__ = ["cpu_facts", "gpu_facts", "host_name", "thread_stacks"]
 
 
 def host_name() -> str:
-    """This machine's name as the heartbeat's ``host`` (at most 256 chars, never empty)."""
-    return (socket.gethostname() or "localhost")[:256]
+    """This machine's name as the heartbeat's ``host`` (never empty)."""
+    # short enough that "<host>/<GROUP_RANK>" fits the record's 256 chars
+    return (socket.gethostname() or "localhost")[:200]
 
 
 def cpu_facts() -> dict[str, Any]:

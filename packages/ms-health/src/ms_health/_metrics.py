@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["CONTENT_TYPE", "Exposition"]
+import attrs
+
+from ms_health.record import HeartbeatRecord
+
+__all__ = ["CONTENT_TYPE", "Exposition", "RankRow", "render"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -61,3 +65,91 @@ def _value(value: float | int) -> str:
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
     return repr(float(value))
+
+
+@attrs.frozen
+class RankRow:
+    """One rank's figures for the per-rank families."""
+
+    rank: int
+    record: HeartbeatRecord
+    age_s: float
+    heartbeats: int
+
+
+# (name, type, help, value from the rank's last heartbeat)
+_PER_RANK: tuple[tuple[str, str, str, Callable[[HeartbeatRecord], float | None]], ...] = (
+    ("ms_health_rank_step", "gauge", "Last optimizer step the rank reported.", lambda r: r.step),
+    ("ms_health_rank_loss", "gauge", "Last loss the rank reported.", lambda r: r.loss),
+    (
+        "ms_health_rank_tokens_per_second",
+        "gauge",
+        "Tokens per second over the rank's steps between its last two heartbeats.",
+        lambda r: r.tokens_per_s,
+    ),
+    (
+        "ms_health_rank_step_time_seconds",
+        "gauge",
+        "The rank's last step time.",
+        lambda r: r.step_time_s,
+    ),
+    (
+        "ms_health_rank_wait_seconds",
+        "gauge",
+        "Seconds of the rank's last step spent waiting on collectives.",
+        lambda r: r.wait_s,
+    ),
+)
+
+
+def render(
+    job: str,
+    rows: list[RankRow],
+    *,
+    heartbeats: int,
+    rejected: Mapping[str, int],
+    findings_total: Mapping[str, int],
+    findings_open: int,
+) -> str:
+    """The driver's ``/metrics`` text."""
+    out = Exposition()
+    labelled = [({"job": job, "rank": str(row.rank)}, row) for row in rows]
+    for name, kind, help_text, get in _PER_RANK:
+        out.family(name, kind, help_text, [(lab, get(row.record)) for lab, row in labelled])
+    out.family(
+        "ms_health_rank_heartbeat_age_seconds",
+        "gauge",
+        "Seconds since the driver received the rank's last heartbeat.",
+        [(lab, row.age_s) for lab, row in labelled],
+    )
+    out.family(
+        "ms_health_rank_heartbeats_total",
+        "counter",
+        "Heartbeats accepted from the rank.",
+        [(lab, row.heartbeats) for lab, row in labelled],
+    )
+    out.family(
+        "ms_health_heartbeats_total",
+        "counter",
+        "Heartbeats accepted.",
+        [({"job": job}, heartbeats)],
+    )
+    out.family(
+        "ms_health_rejected_requests_total",
+        "counter",
+        "Requests refused, by reason.",
+        [({"reason": k}, v) for k, v in sorted(rejected.items())],
+    )
+    out.family(
+        "ms_health_findings_total",
+        "counter",
+        "New findings, by kind.",
+        [({"kind": k}, v) for k, v in findings_total.items()],
+    )
+    out.family(
+        "ms_health_findings_open",
+        "gauge",
+        "Findings reported at the last tick.",
+        [({"job": job}, findings_open)],
+    )
+    return out.text()

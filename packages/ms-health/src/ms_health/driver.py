@@ -37,9 +37,10 @@ from typing import Any
 
 import attrs
 
-from ms_health import _http
+from ms_health import _http, _metrics
+from ms_health._dumps import DumpBook
 from ms_health._events import EventLog, HealthEvent, RateLimiter
-from ms_health._metrics import CONTENT_TYPE, Exposition
+from ms_health._state import STATE_FORMAT, check_state, read_state, write_atomic
 from ms_health.findings import KINDS, Detector, Finding
 from ms_health.record import (
     HeartbeatRecord,
@@ -53,11 +54,8 @@ __all__ = ["STATE_FORMAT", "Driver", "HealthEvent", "main"]
 
 _log = logging.getLogger(__name__)
 
-#: Version of :meth:`Driver.state_dict`'s layout.
-STATE_FORMAT = 1
 # Stacks kept in an event's evidence; the whole dump stays available from dumps().
 _EVENT_STACK_CHARS = 16 * 1024
-_MAX_DUMP_REQUESTS = 64
 
 
 @attrs.define
@@ -65,13 +63,6 @@ class _Rank:
     record: HeartbeatRecord | None = None
     received_at: float | None = None
     heartbeats: int = 0
-
-
-@attrs.define
-class _DumpRequest:
-    ranks: frozenset[int]
-    at: float
-    dumps: dict[int, StackDump] = attrs.field(factory=dict)
 
 
 class Driver:
@@ -83,9 +74,13 @@ class Driver:
     detectors are checked (None: no tick thread; call :meth:`tick`). ``observe_only``:
     findings are recorded as "would act" and ``on_finding`` is never called.
     ``state_path``: where :meth:`state_dict` is kept; an existing file is loaded here.
-    ``events_path``: a JSON-lines file every event is appended to. ``stale_after_s``:
-    a rank silent longer than this counts as stale in ``/status`` (detection is the
-    detectors' business). ``clock``: the driver's monotonic clock.
+    ``events_path``: a JSON-lines file every event is appended to. ``on_finding``: the
+    recovery policy, called with each new finding on the driver's action thread, one at
+    a time, most urgent kind first. ``stale_after_s``: a rank silent longer than this
+    counts as stale in ``/status`` (detection is the detectors' business).
+    ``io_timeout_s``: how long a connection may stay silent, and a body take to arrive.
+    ``max_connections``: connections served at once (more are closed at once).
+    ``max_events``: events kept in memory. ``clock``: the driver's monotonic clock.
     """
 
     get_paths = frozenset({"/status", "/ranks", "/events", "/metrics"})
@@ -135,6 +130,9 @@ class Driver:
                 continue
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        for name, count in (("max_connections", max_connections), ("max_events", max_events)):
+            if not _is_int(count) or count < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {count!r}")
         if on_finding is not None and not callable(on_finding):
             raise TypeError(f"on_finding must be callable, got {on_finding!r}")
         self.host, self.port = host, port
@@ -148,30 +146,34 @@ class Driver:
         self._clock = clock
 
         self._lock = threading.Lock()
-        self._dumped = threading.Condition(self._lock)
+        self._save_lock = threading.Lock()  # one writer of the state file at a time
         self._job = job
         self._world_size = world_size
         self._world_fixed = world_size is not None
         self._restart = 0  # the newest restart round seen
         self._ranks: dict[int, _Rank] = {}
         self._open: dict[tuple[str, str, tuple[int, ...]], Finding] = {}
-        self._requests: dict[int, _DumpRequest] = {}
-        self._next_request = 1
+        self._dumps = DumpBook()
         self._heartbeats = 0
         self._rejected: dict[str, int] = {}
-        self._findings_total = dict.fromkeys(KINDS, 0)
+        self._findings_total: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._other_detector_states: dict[str, Any] = {}
         self._reject_limit = RateLimiter(every_s=10.0)
         self._error_limit = RateLimiter(every_s=60.0)
         self._started_at = clock()
 
-        seq = 0
-        state = self._read_state()
-        if state is not None:
-            seq = int(state.get("event_seq", 0)) if isinstance(state, Mapping) else 0
+        state = None if self.state_path is None else read_state(self.state_path)
+        checked = None if state is None else check_state(state)
+        seq = 0 if checked is None else checked.event_seq
         self._events = EventLog(events_path, capacity=max_events, seq=seq)
-        if state is not None:
+        if state is not None and checked is not None:
             self.load_state_dict(state)
+            restored = sorted(d.name for d in self._detectors if d.name in checked.detectors)
+            self._event(
+                "restored",
+                f"state restored from {self.state_path} (detectors: {', '.join(restored)})",
+                evidence={"detectors": restored, "job": self._job, "event_seq": seq},
+            )
         self._saved_state: str | None = None
 
         self._server: _http.Server | None = None
@@ -355,42 +357,23 @@ class Driver:
     def request_dumps(self, ranks: Iterable[int]) -> int:
         """Ask ``ranks`` for their stacks; each one's next heartbeat reply carries the
         request. Returns the request id for :meth:`dumps` and :meth:`wait_dumps`."""
-        wanted = frozenset(ranks)
-        if not wanted or not all(isinstance(r, int) and r >= 0 for r in wanted):
-            raise ValueError(f"ranks must be a non-empty set of ints >= 0, got {sorted(wanted)}")
-        with self._lock:
-            request = self._next_request
-            self._next_request += 1
-            self._requests[request] = _DumpRequest(wanted, self._clock())
-            while len(self._requests) > _MAX_DUMP_REQUESTS:
-                del self._requests[min(self._requests)]
+        request, asked = self._dumps.open(ranks, self._clock())
         self._event(
             "dump_request",
             f"stack dump {request} requested",
-            ranks=tuple(sorted(wanted)),
+            ranks=asked,
             evidence={"request": request},
         )
         return request
 
     def dumps(self, request: int) -> dict[int, StackDump]:
         """The dumps that answered ``request`` so far, by rank."""
-        with self._lock:
-            return dict(self._request(request).dumps)
+        return self._dumps.answers(request)
 
     def wait_dumps(self, request: int, timeout_s: float) -> dict[int, StackDump]:
         """Wait until every rank asked has answered ``request`` or ``timeout_s`` passed;
         the dumps that came. A rank missing from it did not answer in time."""
-        with self._lock:
-            req = self._request(request)
-            self._dumped.wait_for(lambda: req.ranks <= req.dumps.keys(), timeout=timeout_s)
-            return dict(req.dumps)
-
-    def _request(self, request: int) -> _DumpRequest:
-        try:
-            return self._requests[request]
-        except KeyError:
-            known = sorted(self._requests)
-            raise KeyError(f"no dump request {request}; known: {known}") from None
+        return self._dumps.wait(request, timeout_s)
 
     # ------------------------------------------------------------------ HTTP app
 
@@ -422,7 +405,7 @@ class Driver:
         if path == "/ranks":
             return _http.json_response(200, {"ranks": self.ranks()})
         if path == "/metrics":
-            return 200, self.metrics().encode(), CONTENT_TYPE
+            return 200, self.metrics().encode(), _metrics.CONTENT_TYPE
         try:
             since = int(query.get("since", ["0"])[0])
             limit = int(query.get("limit", ["1000"])[0])
@@ -469,7 +452,7 @@ class Driver:
                     except Exception as e:
                         self._detector_error(det, "observe", e, now)
                 reply: dict[str, Any] = {"ok": True}
-                pending = self._pending_dump(record.rank)
+                pending = self._dumps.pending(record.rank)
                 if pending is not None:
                     reply["dump"] = pending
         if conflict is not None:
@@ -508,24 +491,11 @@ class Driver:
             )
         return None
 
-    def _pending_dump(self, rank: int) -> int | None:
-        for request in sorted(self._requests):
-            req = self._requests[request]
-            if rank in req.ranks and rank not in req.dumps:
-                return request
-        return None
-
     def _take_dump(self, dump: StackDump, client: str) -> _http.Response:
-        with self._lock:
-            req = self._requests.get(dump.request)
-            if dump.job != self._job:
-                conflict: str | None = f"dump.job must be {self._job!r}, got {dump.job!r}"
-            elif req is None or dump.rank not in req.ranks:
-                conflict = f"no open dump request {dump.request} for rank {dump.rank}"
-            else:
-                conflict = None
-                req.dumps[dump.rank] = dump
-                self._dumped.notify_all()
+        if dump.job != self._job:
+            conflict: str | None = f"dump.job must be {self._job!r}, got {dump.job!r}"
+        else:
+            conflict = self._dumps.answer(dump)
         if conflict is not None:
             self.rejected("conflict", client, conflict)
             return _http.json_response(409, {"error": conflict})
@@ -613,82 +583,19 @@ class Driver:
         """What ``GET /metrics`` serves (Prometheus text format)."""
         now = self._clock()
         with self._lock:
-            job = self._job or ""
-            rows = [(r, s) for r, s in sorted(self._ranks.items()) if s.record is not None]
-            out = Exposition()
-
-            def per_rank(name: str, kind: str, help_text: str, get: Callable[..., Any]) -> None:
-                out.family(
-                    name, kind, help_text, [({"job": job, "rank": str(r)}, get(s)) for r, s in rows]
-                )
-
-            per_rank(
-                "ms_health_rank_step",
-                "gauge",
-                "Last optimizer step the rank reported.",
-                lambda s: s.record.step,
+            rows = [
+                _metrics.RankRow(r, s.record, now - s.received_at, s.heartbeats)
+                for r, s in sorted(self._ranks.items())
+                if s.record is not None and s.received_at is not None
+            ]
+            return _metrics.render(
+                self._job or "",
+                rows,
+                heartbeats=self._heartbeats,
+                rejected=self._rejected,
+                findings_total=self._findings_total,
+                findings_open=len(self._open),
             )
-            per_rank(
-                "ms_health_rank_loss",
-                "gauge",
-                "Last loss the rank reported.",
-                lambda s: s.record.loss,
-            )
-            per_rank(
-                "ms_health_rank_tokens_per_second",
-                "gauge",
-                "Tokens per second over the rank's steps between its last two heartbeats.",
-                lambda s: s.record.tokens_per_s,
-            )
-            per_rank(
-                "ms_health_rank_step_time_seconds",
-                "gauge",
-                "The rank's last step time.",
-                lambda s: s.record.step_time_s,
-            )
-            per_rank(
-                "ms_health_rank_wait_seconds",
-                "gauge",
-                "Seconds of the rank's last step spent waiting on collectives.",
-                lambda s: s.record.wait_s,
-            )
-            per_rank(
-                "ms_health_rank_heartbeat_age_seconds",
-                "gauge",
-                "Seconds since the driver received the rank's last heartbeat.",
-                lambda s: now - s.received_at,
-            )
-            per_rank(
-                "ms_health_rank_heartbeats_total",
-                "counter",
-                "Heartbeats accepted from the rank.",
-                lambda s: s.heartbeats,
-            )
-            out.family(
-                "ms_health_heartbeats_total",
-                "counter",
-                "Heartbeats accepted.",
-                [({"job": job}, self._heartbeats)],
-            )
-            out.family(
-                "ms_health_rejected_requests_total",
-                "counter",
-                "Requests refused, by reason.",
-                [({"reason": k}, v) for k, v in sorted(self._rejected.items())],
-            )
-            out.family(
-                "ms_health_findings_total",
-                "counter",
-                "New findings, by kind.",
-                [({"kind": k}, v) for k, v in self._findings_total.items()],
-            )
-            out.family(
-                "ms_health_findings_open",
-                "gauge",
-                "Findings reported at the last tick.",
-                [({"job": job}, len(self._open))],
-            )
-            return out.text()
 
     # ------------------------------------------------------------------ state
 
@@ -712,43 +619,27 @@ class Driver:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output. A state of another job is refused;
         the states of detectors this driver does not run are kept and saved again."""
-        if not isinstance(state, Mapping):
-            raise ValueError(f"state must be a mapping, got {type(state).__name__}")
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"state.format must be {STATE_FORMAT}, got {state.get('format')!r}")
-        job, world, restart = state.get("job"), state.get("world_size"), state.get("restart", 0)
-        if job is not None and (not isinstance(job, str) or not job):
-            raise ValueError(f"state.job must be a non-empty string or null, got {job!r}")
-        if world is not None and (not _is_int(world) or world < 1):
-            raise ValueError(f"state.world_size must be an int >= 1 or null, got {world!r}")
-        if not _is_int(restart) or restart < 0:
-            raise ValueError(f"state.restart must be an int >= 0, got {restart!r}")
-        ranks = state.get("ranks", [])
-        if not isinstance(ranks, list) or not all(_is_int(r) and r >= 0 for r in ranks):
-            raise ValueError(f"state.ranks must be a list of ints >= 0, got {ranks!r}")
-        seq = state.get("event_seq", 0)
-        if not _is_int(seq) or seq < 0:
-            raise ValueError(f"state.event_seq must be an int >= 0, got {seq!r}")
-        detectors = state.get("detectors", {})
-        if not isinstance(detectors, Mapping):
-            raise ValueError(f"state.detectors must be a mapping, got {detectors!r}")
+        checked = check_state(state)
+        job = checked.job
         if self._job is not None and job is not None and job != self._job:
             raise ValueError(f"state.job is {job!r}, but this driver's job is {self._job!r}")
         with self._lock:
             for det in self._detectors:
-                if det.name in detectors:
+                if det.name in checked.detectors:
                     try:
-                        det.load_state_dict(detectors[det.name])
+                        det.load_state_dict(checked.detectors[det.name])
                     except ValueError as e:
                         raise ValueError(f"state.detectors.{det.name}: {e}") from e
             mine = {d.name for d in self._detectors}
-            self._other_detector_states = {k: v for k, v in detectors.items() if k not in mine}
+            self._other_detector_states = {
+                k: v for k, v in checked.detectors.items() if k not in mine
+            }
             if self._job is None:
                 self._job = job
-            if not self._world_fixed and world is not None:
-                self._world_size = world
-            self._restart = max(self._restart, restart)
-            for r in ranks:
+            if not self._world_fixed and checked.world_size is not None:
+                self._world_size = checked.world_size
+            self._restart = max(self._restart, checked.restart)
+            for r in checked.ranks:
                 self._ranks.setdefault(r, _Rank())
 
     def save_state(self) -> None:
@@ -772,27 +663,15 @@ class Driver:
 
     def _write_state(self, text: str) -> None:
         assert self.state_path is not None
-        tmp = self.state_path.with_name(f".{self.state_path.name}.tmp")
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.state_path)
-            self._saved_state = text
+            with self._save_lock:
+                write_atomic(self.state_path, text)
+                self._saved_state = text
         except OSError as e:
             if self._error_limit.allow("state", self._clock()) is not None:
                 self._event(
                     "state_error", f"cannot write {self.state_path}: {e}", level=logging.ERROR
                 )
-
-    def _read_state(self) -> Any:
-        if self.state_path is None or not self.state_path.exists():
-            return None
-        try:
-            return json.loads(self.state_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"state_path {str(self.state_path)!r} cannot be read: {e}") from e
 
     # ------------------------------------------------------------------ events
 

@@ -337,16 +337,21 @@ class Heartbeat:
     # ------------------------------------------------------------------ sender thread
 
     def _run(self) -> None:
+        failed = False
         try:
             while True:
                 self._wake.clear()
                 final = self._stopping.is_set()
-                self._send(self._final_status if final else "running")
+                try:
+                    self._send(self._final_status if final else "running")
+                except Exception:  # never seen; one bad heartbeat must not end the thread
+                    if not failed:
+                        _log.exception("ms-health: building or sending a heartbeat failed")
+                    failed = True
+                    self.failures += 1
                 if final:
                     return
                 self._wake.wait(self.interval_s)
-        except Exception:  # never seen; a bug here must not surface in training
-            _log.exception("ms-health: the heartbeat sender stopped on an error")
         finally:
             self._client.close()
 
