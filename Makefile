@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 DIST ?= dist
 BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory clean
+.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -106,6 +106,11 @@ bench-parallel: $(STAMP)
 # Memory per rank of a ~100M-parameter model: ms ZeRO-2 against DDP.
 bench-parallel-memory: $(STAMP)
 	$(BIN)/python tools/bench/parallel/memory.py
+
+# What the heartbeat sender costs the loop: hb.step() and hb.on_event() per call against
+# no-op floors, and the sender thread's CPU per heartbeat (issue 16).
+bench-health: $(STAMP)
+	$(BIN)/python tools/bench/health/sender_overhead.py --reps 7
 
 # Random SIGKILLs of a 2-rank job across saves, reruns, leftovers (issue 14's soak).
 bench-kill-soak: $(STAMP)

@@ -263,3 +263,24 @@ def test_parallel_memory_smoke_counts_every_role(tmp_path: Path) -> None:
         # AdamW's two moments over this rank's shard; the buckets' padding is tiny.
         assert 0.45 * full <= zero[rank]["bytes"]["optimizer state"] <= 0.55 * full
         assert zero[rank]["peak_rss_over_model"] > 0
+
+
+def test_health_sender_overhead_smoke_times_every_call(tmp_path: Path) -> None:
+    """A driver and a heartbeat sender in one process: hb.step() and hb.on_event() and
+    their no-op floors are timed, and the sender thread's CPU per heartbeat is read."""
+    out = tmp_path / "out" / "sender_overhead.json"
+    proc = _run_bench("health/sender_overhead.py", "--smoke", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
+    assert "| hb.step() |" in proc.stdout and "| hb.on_event() |" in proc.stdout
+    record = json.loads(out.read_text())
+    assert record["smoke"] is True and record["machine"]["ms_health"]
+    calls = ("hb.step()", "floor: no-op step()", "hb.on_event()", "floor: no-op on_event()")
+    assert set(record["ns_per_call"]) == set(calls)
+    assert all(len(v) == 1 and v[0] > 0 for v in record["ns_per_call"].values())
+    med = record["median_ns_per_call"]
+    assert record["added_ns"]["step"] == med["hb.step()"] - med["floor: no-op step()"]
+    per_step = med["hb.step()"] + 40 * med["hb.on_event()"]
+    assert record["loop_api_ns_per_step"] == pytest.approx(per_step)
+    assert record["sender_thread"]["heartbeats"] >= 1
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "sender_overhead.json"]

@@ -1,0 +1,86 @@
+"""Facts about this process's machine and threads, for heartbeats and stack dumps.
+
+Everything here runs on the heartbeat sender's thread, never in the training loop.
+Torch is never imported from here: GPU facts are read only when the training process
+has imported torch itself and CUDA is available.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import traceback
+from typing import Any
+
+__all__ = ["cpu_facts", "gpu_facts", "host_name", "thread_stacks"]
+
+
+def host_name() -> str:
+    """This machine's name as the heartbeat's ``host`` (never empty)."""
+    # short enough that "<host>/<GROUP_RANK>" fits the record's 256 chars
+    return (socket.gethostname() or "localhost")[:200]
+
+
+def cpu_facts() -> dict[str, Any]:
+    """CPU model, logical cores and total memory, from /proc where it exists."""
+    facts: dict[str, Any] = {"cpu_cores": os.cpu_count() or 0}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    facts["cpu_model"] = line.split(":", 1)[1].strip()[:200]
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    facts["memory_bytes"] = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    return facts
+
+
+def gpu_facts(local_rank: int) -> dict[str, Any] | None:
+    """The GPU this rank most likely drives, or None where that cannot be known yet.
+
+    Returns ``{}`` once it is known that there is none (torch imported, no CUDA), so the
+    caller can stop asking. The device is ``local_rank`` modulo the visible devices,
+    torchrun's convention; the sender's thread cannot see the training thread's
+    current device.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None  # the loop may import it later
+    try:
+        if not torch.cuda.is_available():
+            return {}
+        count = torch.cuda.device_count()
+        index = local_rank % count
+        props = torch.cuda.get_device_properties(index)
+        return {
+            "gpu_model": str(props.name)[:200],
+            "gpu_memory_bytes": int(props.total_memory),
+            "gpu_index": index,
+            "gpu_count": count,
+        }
+    except Exception:  # a broken driver must not stop heartbeats
+        return {}
+
+
+def thread_stacks() -> str:
+    """Every Python thread's current stack, innermost call last, as one text."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        name = names.get(ident, "?")
+        note = " (the heartbeat sender, answering this dump)" if ident == me else ""
+        parts.append(f'Thread {ident:#x} "{name}"{note}, most recent call last:\n')
+        parts.extend(traceback.format_stack(frame))
+        parts.append("\n")
+    return "".join(parts)

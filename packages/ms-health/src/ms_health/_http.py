@@ -1,0 +1,252 @@
+"""The driver's HTTP server: authentication, body limits, timeouts, connection caps.
+
+The server knows nothing of heartbeats: it hands authenticated, size-checked requests
+to an :class:`App` (the driver) and turns every failure of a client into a refusal
+counted under a reason, never into a dead thread or server. One thread serves one
+connection (``ThreadingHTTPServer``); every socket read has a timeout and a body has
+a deadline, so a slow or silent client holds only its own thread, and only for a
+while; past ``max_connections`` new connections are closed at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
+from typing import Any, Protocol
+
+from ms_health.record import MAX_BODY_BYTES
+
+__all__ = ["App", "Response", "Server", "json_response"]
+
+_log = logging.getLogger("ms_health.driver")
+
+#: (HTTP status, body, content type)
+Response = tuple[int, bytes, str]
+
+
+def json_response(status: int, obj: Any) -> Response:
+    return status, json.dumps(obj, separators=(",", ":")).encode(), "application/json"
+
+
+class App(Protocol):
+    """What the server serves."""
+
+    get_paths: frozenset[str]
+    post_paths: frozenset[str]
+
+    def check_token(self, presented: bytes) -> bool: ...
+
+    def rejected(self, reason: str, client: str, detail: str) -> None: ...
+
+    def get(self, path: str, query: dict[str, list[str]]) -> Response: ...
+
+    def post(self, path: str, body: bytes, client: str) -> Response: ...
+
+
+class Server(ThreadingHTTPServer):
+    """A threading HTTP server bound to ``(host, port)`` that serves ``app``."""
+
+    daemon_threads = True
+    allow_reuse_address = True  # a restarted driver takes its old port at once
+    request_queue_size = 128
+
+    def __init__(
+        self, host: str, port: int, app: App, *, io_timeout_s: float, max_connections: int
+    ) -> None:
+        if ":" in host:
+            self.address_family = socket.AF_INET6
+        self.app = app
+        self.io_timeout_s = io_timeout_s
+        self.max_connections = max_connections
+        self._conn_lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        super().__init__((host, port), _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind resolves the host's FQDN, a DNS query that can stall.
+        super(HTTPServer, self).server_bind()
+        host, port = self.server_address[:2]
+        self.server_name = str(host)
+        self.server_port = int(port)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._conn_lock:
+            full = len(self._open) >= self.max_connections
+            if not full:
+                self._open.add(request)
+        if full:
+            self.app.rejected("busy", str(client_address[0]), "too many open connections")
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._conn_lock:
+                self._open.discard(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # The handler catches what it expects; anything else is logged, never raised.
+        _log.debug("ms-health: error serving %s", client_address, exc_info=True)
+
+    def close_connections(self) -> None:
+        """Cut every open connection, so that clients reconnect to whoever listens next
+        rather than talk to a stopped driver's threads."""
+        with self._conn_lock:
+            sockets = list(self._open)
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: a sender reuses its connection
+    # Refusals of garbage get a status line too: nobody here speaks HTTP/0.9.
+    default_request_version = "HTTP/1.1"
+    server_version = "ms-health"
+    sys_version = ""
+    server: Server
+
+    def setup(self) -> None:
+        self.request.settimeout(self.server.io_timeout_s)  # every read and write
+        if self.request.family in (socket.AF_INET, socket.AF_INET6):
+            # Headers and body go out in two writes; with Nagle's algorithm the body
+            # would wait for the client's delayed ACK (40 ms on Linux) on every reply.
+            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._client = str(self.client_address[0])
+        self._served = 0
+        super().setup()
+
+    # ---------------------------------------------------------------- plumbing
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # requests are counted in metrics; refusals become events
+
+    def log_error(self, format: str, *args: Any) -> None:
+        # BaseHTTPRequestHandler reports a request line that never came this way.
+        if args and isinstance(args[0], TimeoutError):
+            if self._served == 0:
+                self.server.app.rejected("timeout", self._client, "no request before the timeout")
+        else:
+            _log.debug("ms-health: " + format, *args)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # Reached for what the stdlib parser refuses: garbage request lines, huge
+        # headers, unknown methods. The connection is closed after it.
+        reason = "bad_request"
+        self.server.app.rejected(reason, self._client, f"HTTP {code}: {message or ''}")
+        self._reply(*json_response(code, {"error": message or "bad request"}), close=True)
+
+    def _reply(self, status: int, body: bytes, ctype: str, *, close: bool = False) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            if status == 401:
+                self.send_header("WWW-Authenticate", 'Bearer realm="ms-health"')
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True
+
+    def _refuse(self, status: int, reason: str, detail: str, *, close: bool) -> None:
+        self.server.app.rejected(reason, self._client, detail)
+        self._reply(*json_response(status, {"error": detail}), close=close)
+
+    # ---------------------------------------------------------------- requests
+
+    def do_GET(self) -> None:
+        self._serve(post=False)
+
+    def do_POST(self) -> None:
+        self._serve(post=True)
+
+    def _serve(self, *, post: bool) -> None:
+        self._served += 1
+        try:
+            self._serve_checked(post)
+        except TimeoutError:
+            self.server.app.rejected("timeout", self._client, "the body did not arrive in time")
+            self.close_connection = True
+        except OSError:
+            self.close_connection = True
+        except Exception as e:  # the app's bug must cost one request, not the thread
+            _log.exception("ms-health: error serving %s %s", self.command, self.path)
+            self._reply(
+                *json_response(500, {"error": f"internal error: {type(e).__name__}"}), close=True
+            )
+
+    def _serve_checked(self, post: bool) -> None:
+        app = self.server.app
+        # A body this handler does not read would be parsed as the next request.
+        unread_body = post or "Content-Length" in self.headers or self._chunked()
+        auth = self.headers.get("Authorization")
+        if auth is None:
+            self._refuse(401, "unauthorized", "missing bearer token", close=unread_body)
+            return
+        scheme, _, presented = auth.partition(" ")
+        if scheme.lower() != "bearer" or not app.check_token(presented.strip().encode()):
+            self._refuse(401, "unauthorized", "wrong bearer token", close=unread_body)
+            return
+        url = urllib.parse.urlsplit(self.path)
+        paths = app.post_paths if post else app.get_paths
+        if url.path not in paths:
+            self._refuse(404, "not_found", f"no {self.command} {url.path[:100]}", close=unread_body)
+            return
+        if not post:
+            query = urllib.parse.parse_qs(url.query, max_num_fields=16)
+            self._reply(*app.get(url.path, query), close=unread_body)
+            return
+        body = self._read_body()
+        if body is not None:
+            self._reply(*app.post(url.path, body, self._client))
+
+    def _chunked(self) -> bool:
+        return "Transfer-Encoding" in self.headers
+
+    def _read_body(self) -> bytes | None:
+        """The body, or None after refusing the request (and closing the connection)."""
+        raw = self.headers.get("Content-Length")
+        if raw is None or self._chunked():
+            self._refuse(411, "length_required", "Content-Length is required", close=True)
+            return None
+        try:
+            length = int(raw)
+        except ValueError:
+            length = -1
+        if length < 0 or len(self.headers.get_all("Content-Length", [])) > 1:
+            self._refuse(400, "bad_request", f"bad Content-Length {raw[:40]!r}", close=True)
+            return None
+        if length > MAX_BODY_BYTES:
+            self._refuse(
+                413,
+                "too_large",
+                f"body of {length} bytes, more than {MAX_BODY_BYTES}",
+                close=True,
+            )
+            return None
+        # Each read waits at most the socket timeout; the deadline bounds them together,
+        # so a client trickling a byte at a time cannot hold the thread for long.
+        deadline = time.monotonic() + self.server.io_timeout_s
+        chunks, left = [], length
+        while left:
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            chunk = self.rfile.read1(min(left, 65536))
+            if not chunk:
+                raise ConnectionResetError("the client closed the connection mid-body")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
