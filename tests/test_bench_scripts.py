@@ -203,9 +203,10 @@ def test_mesh_init_smoke_times_and_counts_every_candidate(tmp_path: Path) -> Non
 
 
 def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path: Path) -> None:
-    """Two gloo ranks run the compute-only floor, torch DDP and torch FSDP2 (two ways)
-    under no added latency and under one block's forward; the JSON holds each one's ratio
-    to the floor and the collectives it issued on the latency backend."""
+    """Two gloo ranks run the compute-only floor, ms ZeRO-2 (four ways), torch DDP and
+    torch FSDP2 (two ways) under no added latency and under one block's forward; the JSON
+    holds each one's ratio to the floor and the collectives it issued on the latency
+    backend."""
     out = tmp_path / "out" / "parallel_overlap.json"
     proc = _run_bench("parallel/overlap.py", "--smoke", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -222,6 +223,7 @@ def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path:
         assert list(rows) == [
             "compute only (floor)",
             "ms ZeRO-2",
+            "ms ZeRO-2, first chunk replicated",
             "ms ZeRO-2, chain of 1",
             "ms ZeRO-2, serialized",
             "torch DDP",
@@ -235,6 +237,9 @@ def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path:
         for name in names:
             fsdp = rows[name]["collectives_by_type"]
             assert fsdp["all_gather"] >= 2 and fsdp["reduce_scatter"] >= 2  # 2 blocks
+        # The first block all-reduced, never gathered; the second still ZeRO's.
+        replicated = rows["ms ZeRO-2, first chunk replicated"]["collectives_by_type"]
+        assert replicated == {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 1}
         for row in rows.values():
             assert row["median_step_s"] > 0 and len(row["ratio_per_round"]) == 1
     # every repetition keeps every rank's own step times

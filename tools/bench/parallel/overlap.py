@@ -19,8 +19,12 @@ parameters, fp32), 1,024 random tokens (rows) per rank against random targets, M
    data-parallel step sits on.
 2. **ms ZeRO-2**: ``ms_parallel.ZeroDataParallel`` (a chunk per block, 25 MiB buckets),
    AdamW on its shard views; every all-gather issued as the optimizer step ends.
-   **ms ZeRO-2, chain of 1**: the same with ``prefetch_chunks=1`` (chunk k + 1's
-   all-gather issued as chunk k starts, the paper's chain). **ms ZeRO-2, serialized**:
+   **ms ZeRO-2, first chunk replicated**: the same with ``replicated_chunks=1``: the
+   first block's gradients all-reduced, its optimizer step on every rank, and no
+   all-gather between the optimizer step and the first forward (DeepSpeed's
+   persistence of small parameters). **ms ZeRO-2, chain of 1**: the same with
+   ``prefetch_chunks=1`` (chunk k + 1's all-gather issued as chunk k starts, the
+   paper's chain). **ms ZeRO-2, serialized**:
    ``prefetch=False``, every collective waited right after it is issued; overlapped /
    serialized is the overlap's effect with everything else equal.
 3. **torch DDP**: ``DistributedDataParallel(model, process_group=<latency group>)``,
@@ -198,6 +202,15 @@ def ms_zero2(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
     )
 
 
+def ms_zero2_replicated1(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
+    """The same with the first chunk kept replicated: its gradients all-reduced as they
+    are ready, no all-gather before the next step's first forward."""
+    zero = ZeroDataParallel(model, comm.group, replicated_chunks=1)
+    return training_step(
+        zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
+    )
+
+
 def ms_zero2_chain1(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
     """The same with the paper's chain: chunk k + 1's all-gather issued as chunk k
     starts (the default gathers every chunk as the optimizer step ends)."""
@@ -219,6 +232,7 @@ def ms_zero2_serialized(model: nn.Sequential, comm: Comm, config: BenchConfig) -
 CANDIDATES: dict[str, Candidate] = {
     FLOOR: compute_only,
     "ms ZeRO-2": ms_zero2,
+    "ms ZeRO-2, first chunk replicated": ms_zero2_replicated1,
     "ms ZeRO-2, chain of 1": ms_zero2_chain1,
     "ms ZeRO-2, serialized": ms_zero2_serialized,
     "torch DDP": torch_ddp,
@@ -327,7 +341,7 @@ def rank_main(
                 reps[name].append(rep)
                 if dist.get_rank() == 0:
                     print(
-                        f"  L {latency * 1e3:6.1f} ms  round {r}  {name:22} "
+                        f"  L {latency * 1e3:6.1f} ms  round {r}  {name:34} "
                         f"{rep['step_s'] * 1e3:8.1f} ms/step",
                         flush=True,
                     )

@@ -82,10 +82,11 @@ class Lamb(Optimizer):
             ``"triton"`` (fused multi-tensor Triton kernels; CUDA, or CPU under
             ``TRITON_INTERPRET=1``).
         shards: ZeRO mode: for every local tensor, the logical parameter it is a
-            slice of. Norms of logical parameters are completed with one packed
-            all-reduce per step over ``process_group`` (one more for the global
-            gradient norm when clipping). Construction is then collective too: it
-            checks that the ranks' slices cover each parameter exactly once.
+            slice of, and which local tensors are replicated (held whole by every
+            rank, counted once). Norms of logical parameters are completed with one
+            packed all-reduce per step over ``process_group`` (one more for the
+            global gradient norm when clipping). Construction is then collective too:
+            it checks that the ranks' slices cover each parameter exactly once.
         process_group: the data-parallel group the shards are spread over;
             required with ``shards`` and meaningless without.
     """
@@ -209,6 +210,7 @@ class Lamb(Optimizer):
         for h, entries, scale, t in zip(hypers, picked, scales, group_steps, strict=True):
             buckets.extend(self._buckets(h, entries, scale, t))
 
+        replicated = self._replicated()
         ids: list[int] = []
         w_sq: list[torch.Tensor] = []
         u_sq: list[torch.Tensor] = []
@@ -230,11 +232,23 @@ class Lamb(Optimizer):
             device=device,
         )
         squares = torch.zeros(2 * n_logical, dtype=norm_dtype, device=device)
+        # Replicated tensors' squares, identical on every rank: added after the
+        # all-reduce, so that they count once.
+        once = torch.zeros_like(squares) if replicated else None
         if ids:
-            squares.index_add_(0, logical, torch.cat(w_sq))
-            squares.index_add_(0, logical + n_logical, torch.cat(u_sq))
+            w_all, u_all = torch.cat(w_sq), torch.cat(u_sq)
+            if once is None:
+                squares.index_add_(0, logical, w_all)
+                squares.index_add_(0, logical + n_logical, u_all)
+            else:
+                rep = torch.tensor([i in replicated for i in ids], device=device)
+                for into, sel in ((squares, ~rep), (once, rep)):
+                    into.index_add_(0, logical[sel], w_all[sel])
+                    into.index_add_(0, logical[sel] + n_logical, u_all[sel])
         if self.process_group is not None:
             self._all_reduce(squares)
+        if once is not None:
+            squares += once
         norms = squares.sqrt_()
 
         start = 0
@@ -310,23 +324,30 @@ class Lamb(Optimizer):
         if all(h.max_grad_norm is None for h in hypers):
             return [None] * len(hypers)
         # The global norm covers every gradient of the optimizer, whichever group
-        # clips (NVLAMB); raw gradients, before any L2 term.
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        # clips (NVLAMB); raw gradients, before any L2 term. Replicated tensors'
+        # squares are added after the all-reduce, once.
+        replicated = self._replicated()
+        by_kind: dict[tuple[bool, torch.dtype], list[torch.Tensor]] = {}
         for entries in picked:
-            for _, p in entries:
+            for i, p in entries:
                 assert p.grad is not None
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+                by_kind.setdefault((i in replicated, p.grad.dtype), []).append(p.grad)
         total = torch.zeros((), dtype=norm_dtype, device=device)
-        for grads in by_dtype.values():
+        once = torch.zeros((), dtype=norm_dtype, device=device)
+        for (is_replicated, _), grads in by_kind.items():
             norms = torch._foreach_norm(grads, 2, norm_dtype)
-            total += torch.stack(norms).to(device).square().sum()
+            (once if is_replicated else total).add_(torch.stack(norms).to(device).square().sum())
         if self.process_group is not None:
             self._all_reduce(total.view(1))
-        grad_norm = total.sqrt()
+        grad_norm = (total + once).sqrt()
         return [
             None if h.max_grad_norm is None else h.max_grad_norm / grad_norm.clamp(h.max_grad_norm)
             for h in hypers
         ]
+
+    def _replicated(self) -> frozenset[int]:
+        """Flat indices of the tensors every rank holds whole (``shards.replicated``)."""
+        return frozenset() if self.shards is None else frozenset(self.shards.replicated)
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         assert self.process_group is not None

@@ -5,6 +5,11 @@ flat buffer that holds them all). LAMB's trust ratio needs ||w|| and ||u|| of th
 whole logical parameter, so the optimizer must know, for every local tensor, which
 logical parameter it is a slice of. The norms are then completed with one packed
 all-reduce over the data-parallel group.
+
+Some tensors may stay replicated instead (DeepSpeed keeps small parameters whole on
+every rank; ms-parallel's ZeRO can keep its first chunks so, to skip their
+all-gather): every rank holds the same tensor. Summed over the ranks their squares
+would count once per rank, so they are added after the all-reduce, once.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ class ShardMap:
     """Which logical parameter each local tensor of this rank is a slice of.
 
     Every rank of the process group builds one. ``numels`` is the same on every
-    rank; ``param_ids`` lists this rank's tensors. Together the ranks' slices of
-    a logical parameter must hold each of its elements exactly once.
+    rank; ``param_ids`` lists this rank's tensors. Each element of a logical
+    parameter must be held exactly once: by one rank's sharded tensor, or by a
+    tensor that ``replicated`` names on every rank.
     """
 
     #: For each local tensor, in the order the optimizer holds them (group after
@@ -34,10 +40,16 @@ class ShardMap:
     param_ids: tuple[int, ...]
     #: Element count of every logical parameter, identical on all ranks.
     numels: tuple[int, ...]
+    #: Positions in ``param_ids`` (ascending) of the local tensors that are
+    #: replicated: every rank holds the same tensor, with the same values, so its
+    #: squares count once in the norms, not once per rank. Every rank names
+    #: tensors of the same sizes of the same logical parameters.
+    replicated: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_ids", tuple(self.param_ids))
         object.__setattr__(self, "numels", tuple(self.numels))
+        object.__setattr__(self, "replicated", tuple(self.replicated))
         for i, n in enumerate(self.numels):
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"ShardMap.numels[{i}] must be an int >= 0, got {n!r}")
@@ -46,6 +58,18 @@ class ShardMap:
                 raise ValueError(
                     f"ShardMap.param_ids[{i}] must be an int in [0, {len(self.numels)}), got {k!r}"
                 )
+        previous = -1
+        for i, j in enumerate(self.replicated):
+            if (
+                isinstance(j, bool)
+                or not isinstance(j, int)
+                or not previous < j < len(self.param_ids)
+            ):
+                raise ValueError(
+                    f"ShardMap.replicated[{i}] must be a position in param_ids, in "
+                    f"[{previous + 1}, {len(self.param_ids)}) (ascending, each once), got {j!r}"
+                )
+            previous = j
 
     @classmethod
     def from_flat_range(
@@ -93,9 +117,11 @@ def check_shards_across_ranks(
     """Refuse a map that does not fit this rank's tensors, or whose slices do not
     cover each logical parameter exactly once.
 
-    Collective over ``group`` (two small all-reduces). A rank whose own map is
-    wrong still joins the first one, so every rank raises, and none is left
-    waiting in a collective its peer will never reach.
+    Collective over ``group`` (two small all-reduces, three when a rank names
+    replicated tensors). A rank whose own map is wrong still joins the first one,
+    so every rank raises, and none is left waiting in a collective its peer will
+    never reach; every later decision is taken from reduced values, the same on
+    every rank.
     """
     try:
         shards.check_local(params)
@@ -105,7 +131,9 @@ def check_shards_across_ranks(
     device = _comm_device(group, params)
     n = len(shards.numels)
     # Max of n and of -n: equal magnitudes iff every rank has the same n.
-    flags = torch.tensor([n, -n, int(local_error is not None)], dtype=torch.int64)
+    flags = torch.tensor(
+        [n, -n, int(local_error is not None), int(bool(shards.replicated))], dtype=torch.int64
+    )
     all_reduce_sum(flags.to(device), group, op=dist.ReduceOp.MAX, out=flags)
     if local_error is not None:
         raise local_error
@@ -119,15 +147,33 @@ def check_shards_across_ranks(
             "shards.numels must list the same logical parameters on every rank; its "
             f"length ranges from {-int(flags[1].item())} to {int(flags[0].item())} across ranks"
         )
-    held = torch.zeros(n, dtype=torch.int64)
-    for k, p in zip(shards.param_ids, params, strict=True):
-        held[k] += p.numel()
+    replicated = set(shards.replicated)
+    held = torch.zeros(n, dtype=torch.int64)  # in sharded tensors, summed over ranks
+    copies = torch.zeros(n, dtype=torch.int64)  # in replicated ones, the same on every rank
+    for i, (k, p) in enumerate(zip(shards.param_ids, params, strict=True)):
+        (copies if i in replicated else held)[k] += p.numel()
     all_reduce_sum(held.to(device), group, out=held)
-    for k, (have, want) in enumerate(zip(held.tolist(), shards.numels, strict=True)):
+    if flags[3].item():
+        # Max of the counts and of their negatives: equal magnitudes iff every rank
+        # holds the same replicated elements of every parameter.
+        both = torch.cat([copies, -copies])
+        all_reduce_sum(both.to(device), group, op=dist.ReduceOp.MAX, out=both)
+        most, least = both[:n], -both[n:]
+        differ = torch.nonzero(most != least).flatten().tolist()
+        if differ:
+            k = differ[0]
+            raise ValueError(
+                f"shards.replicated must name, on every rank, tensors of the same sizes "
+                f"of the same logical parameters; the ranks hold {least[k].item()} to "
+                f"{most[k].item()} replicated elements of logical parameter {k}"
+            )
+        copies = most
+    for k, (have, want) in enumerate(zip((held + copies).tolist(), shards.numels, strict=True)):
         if have != want:
             raise ValueError(
                 f"shards: logical parameter {k} has shards.numels[{k}] = {want} elements but "
-                f"the ranks' local tensors hold {have} of them in total"
+                f"the ranks' local tensors hold {have} of them in total (sharded tensors "
+                "summed over the ranks, replicated ones once)"
             )
 
 

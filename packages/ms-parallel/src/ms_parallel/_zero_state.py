@@ -7,7 +7,9 @@ the DP size. The bucket is what stays: for every bucket and every per-element st
 1-D ``DTensor`` with ``Shard(0)`` on the data-parallel mesh, each rank's local part
 being exactly its shard (``torch.chunk`` placement, as ``_layout`` splits buckets).
 A checkpointer that understands DTensor (ms-ckpt, torch.distributed.checkpoint)
-reshards it to any DP size by offsets.
+reshards it to any DP size by offsets. A bucket of a replicated chunk is whole on
+every rank and saved as a DTensor with ``Replicate()``: the global tensor is the same
+either way, so state saved with one ``replicated_chunks`` loads with another.
 
 Per-parameter scalars (a ``step`` count) are gathered to every rank and saved once per
 parameter by name; hyperparameters of the param groups are saved without their
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 if TYPE_CHECKING:
     from ms_parallel.zero import ZeroDataParallel
@@ -81,11 +83,12 @@ def optimizer_state_dict(
                     )
                 a = s.offset + lo - b.lo
                 local[a : a + hi - lo].copy_(st[key].reshape(-1))
+            placement = Replicate() if b.replicated else Shard(0)
             buckets.setdefault(f"bucket{b.layout.index}", {})[key] = (
                 local  # one process: the whole bucket
                 if mesh is None
                 else DTensor.from_local(
-                    local, mesh, [Shard(0)], run_check=False, shape=torch.Size([n]), stride=(1,)
+                    local, mesh, [placement], run_check=False, shape=torch.Size([n]), stride=(1,)
                 )
             )
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -104,7 +107,8 @@ def load_optimizer_state_dict(
     """Put ``state`` (from :func:`optimizer_state_dict`, at any DP size) into ``optimizer``.
 
     Bucket entries may be DTensors on this run's mesh (a resharding checkpointer
-    filled them) or full tensors; either way this rank takes its shard.
+    filled them), sharded or replicated, or full tensors; either way this rank takes
+    its shard, or the whole of a replicated bucket.
     """
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         got = state.get("format") if isinstance(state, dict) else type(state).__name__
@@ -128,7 +132,7 @@ def load_optimizer_state_dict(
         n = b.layout.numel
         stop = max(b.lo, min(b.lo + b.shard, n))
         for key, value in entries.items():
-            local = _local_part(value, b.lo, stop, n, key, b.layout.index)
+            local = _local_part(value, b.lo, stop, n, key, b.layout.index, b.replicated)
             for s, lo, hi, view, _ in b.local:
                 a = s.offset + lo - b.lo
                 optimizer.state.setdefault(view, {})[key] = (
@@ -142,13 +146,20 @@ def load_optimizer_state_dict(
 
 
 def _local_part(
-    value: torch.Tensor, start: int, stop: int, n: int, key: str, bucket: int
+    value: torch.Tensor, start: int, stop: int, n: int, key: str, bucket: int, whole: bool
 ) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the saved bucket (all ``n`` when ``whole``)."""
     if tuple(value.shape) != (n,):
         raise ValueError(
             f"saved ZeRO state bucket{bucket}/{key} has shape {tuple(value.shape)}, expected ({n},)"
         )
     if isinstance(value, DTensor):
+        if all(isinstance(p, Replicate) for p in value.placements):
+            return value.to_local()[start:stop]
+        if whole:
+            # A replicated bucket handed over sharded: every rank gathers it (every
+            # rank replicates the same buckets, so all of them take this branch).
+            return value.full_tensor()
         local = value.to_local()
         if local.numel() != stop - start:
             raise ValueError(

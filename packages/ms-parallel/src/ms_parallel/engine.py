@@ -46,7 +46,7 @@ class ShardSpec:
 
     What a ZeRO-aware optimizer needs to complete per-parameter quantities (LAMB's
     trust-ratio norms) with one all-reduce over ``group``; ms-optim's ``ShardMap``
-    takes ``param_ids`` and ``numels`` as they are.
+    takes ``param_ids``, ``numels`` and ``replicated`` as they are.
     """
 
     #: For each tensor the optimizer will hold (group after group), the index of the
@@ -57,6 +57,10 @@ class ShardSpec:
     #: The group the shards are spread over; ``None`` in one process without
     #: ``torch.distributed``, where every tensor is a whole (flattened) parameter.
     group: dist.ProcessGroup | None
+    #: Positions in ``param_ids`` (ascending) of the tensors that every rank of
+    #: ``group`` holds whole and steps identically (ZeRO's replicated chunks): a
+    #: norm over the group counts them once, not once per rank.
+    replicated: tuple[int, ...] = ()
 
 
 #: ``make_optimizer(param_groups, shards)``: build the optimizer on the given groups
@@ -202,7 +206,8 @@ class ZeroEngine:
     """ZeRO-2 (:class:`ms_parallel.ZeroDataParallel`) over ``process_group`` (default:
     the world; one process without ``torch.distributed`` communicates nothing but keeps
     the same state form): reduce-scatter per bucket during backward, the optimizer on this rank's
-    shards, the all-gather deferred into the next forward with chained prefetch.
+    shards, the all-gather deferred into the next forward with chained prefetch. The first
+    ``replicated_chunks`` chunks are all-reduced and stepped whole on every rank instead.
 
     The keyword arguments are :class:`ZeroDataParallel`'s.
     """
@@ -220,6 +225,7 @@ class ZeroEngine:
         prefetch_chunks: int | None = None,
         timeout_s: float = 600.0,
         on_event: EventHook | None = None,
+        replicated_chunks: int = 0,
     ) -> None:
         self.device = torch.device(device)
         self.process_group = process_group
@@ -230,6 +236,7 @@ class ZeroEngine:
             "prefetch_chunks": prefetch_chunks,
             "timeout_s": timeout_s,
             "on_event": on_event,
+            "replicated_chunks": replicated_chunks,
         }
         self.zero: ZeroDataParallel | None = None
         self._model: nn.Module | None = None
@@ -247,7 +254,12 @@ class ZeroEngine:
         self._model = model
         self.zero = zero = ZeroDataParallel(model, group, **self.options)
         groups = zero.optimizer_param_groups(param_groups)
-        spec = ShardSpec(zero.group_param_ids(groups), zero.param_numels, zero.group)
+        spec = ShardSpec(
+            zero.group_param_ids(groups),
+            zero.param_numels,
+            zero.group,
+            replicated=zero.group_replicated(groups),
+        )
         self._optimizer = zero.attach_optimizer(make_optimizer(groups, spec))
 
     @property

@@ -15,6 +15,16 @@ rank's optimizer updates only its shard of every bucket. The step's communicatio
   gathering further ahead costs no memory: the default issues them all at once, and
   each still completes in the order forward needs it.
 
+The first ``replicated_chunks`` chunks may be kept replicated instead (DeepSpeed's
+persistence of small parameters): their buckets' gradients are all-reduced where a
+reduce-scatter would be issued, every rank's optimizer steps them whole, and they are
+never gathered. What this buys: after the optimizer step the next forward starts at
+once, with the later chunks' all-gathers in flight behind it, so the step's critical
+path can be DDP's (the last reduction, then the optimizer) rather than that plus the
+first chunk's all-gather. What it costs: those chunks' optimizer state and update on
+every rank. Their bytes on the wire stay those of a reduce-scatter and an all-gather
+(an all-reduce is the two), all of them now in backward.
+
 Buffers are flat and bucketed, and a parameter's ``.data`` and ``.grad`` are views into
 them, so nothing is copied on the way to a collective (the layout is in ``_layout``).
 Under :meth:`no_sync` backward only accumulates: nothing is communicated until the
@@ -64,8 +74,13 @@ class _Bucket:
         grad_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         solo: bool = False,
+        replicated: bool = False,
     ) -> None:
         self.layout = layout
+        # Replicated: every rank holds and steps the whole bucket, as one of one rank.
+        self.replicated = replicated
+        if replicated:
+            world, rank = 1, 0
         n_pad = layout.padded(world)
         self.shard = shard_size(layout.numel, world)
         self.lo = rank * self.shard  # this rank's part of the padded buffer
@@ -74,11 +89,11 @@ class _Bucket:
         # The reduce-scatter's input when it runs in another dtype than the gradients.
         self.send: torch.Tensor | None = None
         self.reduce_dtype = reduce_dtype
-        # One process (``solo``, no group): the shard is the whole bucket, reduced by
-        # nothing: the gradient buffer itself, not a copy of it.
+        # One process (``solo``, no group), or replicated: the shard is the whole
+        # bucket, the gradient buffer itself (a replicated one is all-reduced in place).
         self.grad_shard = (
             self.grad
-            if solo and reduce_dtype == grad_dtype
+            if (solo or replicated) and reduce_dtype == grad_dtype
             else torch.zeros(self.shard, dtype=reduce_dtype, device=device)
         )
         # The optimizer's view of this rank's gradient shard, in the parameters' dtype.
@@ -90,8 +105,10 @@ class _Bucket:
         self.state = _FRESH
         self.gather: dist.Work | None = None
         self.reduce: dist.Work | None = None
+        # The collective that reduces this bucket's gradients.
+        self.reduce_op = "all_reduce" if replicated else "reduce_scatter"
         self.ready = 0  # gradients accumulated in the current backward
-        self.reduced = False  # its reduce-scatter was issued in the current window
+        self.reduced = False  # its reduction was issued in the current window
         # (slot, lo, hi, view of data, view of opt_grad): this rank's slices.
         self.local: list[tuple[Any, int, int, torch.Tensor, torch.Tensor]] = []
 
@@ -126,6 +143,13 @@ class ZeroDataParallel(nn.Module):
         on_event: ``on_event(name, kind, t, **attrs)`` called at each collective's
             issue and wait and each chunk's forward (``ms_parallel.events``).
         broadcast_from: the group rank whose initial parameters every rank starts from.
+        replicated_chunks: how many chunks, from the first in forward order, are kept
+            replicated instead of sharded (chunk 0 is the chunk of the parameters
+            outside every chunk where the module has some; the ``chunk`` of the
+            events counts the same way). Their buckets' gradients are all-reduced
+            instead of reduce-scattered, the optimizer steps them whole on every rank
+            and they are never all-gathered, so no all-gather stands between the
+            optimizer step and the first chunk's forward. Default 0: all sharded.
     """
 
     def __init__(
@@ -141,6 +165,7 @@ class ZeroDataParallel(nn.Module):
         timeout_s: float = 600.0,
         on_event: EventHook | None = None,
         broadcast_from: int = 0,
+        replicated_chunks: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -173,6 +198,16 @@ class ZeroDataParallel(nn.Module):
         self.on_event = on_event
         self._named = _unique_named_parameters(module)
         self._chunks = _resolve_chunks(module, chunks, self._named)
+        if (
+            isinstance(replicated_chunks, bool)
+            or not isinstance(replicated_chunks, int)
+            or not 0 <= replicated_chunks <= len(self._chunks)
+        ):
+            raise ValueError(
+                f"replicated_chunks must be an int in [0, {len(self._chunks)}] (this "
+                f"module has {len(self._chunks)} chunks), got {replicated_chunks!r}"
+            )
+        self.replicated_chunks = replicated_chunks
         layouts = plan_buckets(
             self._chunks, self._named, bucket_bytes=max(1, int(bucket_mb * 2**20))
         )
@@ -190,6 +225,7 @@ class ZeroDataParallel(nn.Module):
                 grad_dtype=reduce_dtype or lay.dtype,
                 reduce_dtype=reduce_dtype or lay.dtype,
                 solo=self.group is None,
+                replicated=lay.chunk < replicated_chunks,
             )
             for lay in layouts
         ]
@@ -214,7 +250,8 @@ class ZeroDataParallel(nn.Module):
                 for b in self.buckets:
                     dist.broadcast(b.data, src=src, group=self.group)
             for b in self.buckets:
-                for s, lo, hi in b.layout.overlaps(self.rank, self.world):
+                rank, world = (0, 1) if b.replicated else (self.rank, self.world)
+                for s, lo, hi in b.layout.overlaps(rank, world):
                     a, z = s.offset + lo - b.lo, s.offset + hi - b.lo
                     view = b.data[b.lo + a : b.lo + z]
                     b.local.append((s, lo, hi, view, b.opt_grad[a:z]))
@@ -264,7 +301,8 @@ class ZeroDataParallel(nn.Module):
     ) -> list[dict[str, Any]]:
         """``param_groups`` (dicts whose ``"params"`` are the module's parameters; default:
         one group of all) with each parameter replaced by this rank's 1-D shard view of
-        it. Parameters of which this rank holds nothing are left out of its groups.
+        it (a parameter of a replicated chunk: a 1-D view of the whole of it, on every
+        rank). Parameters of which this rank holds nothing are left out of its groups.
         Build the optimizer on the result and pass it to :meth:`attach_optimizer`."""
         if param_groups is None:
             param_groups = [{"params": [p for p in self._params if p.requires_grad]}]
@@ -309,6 +347,16 @@ class ZeroDataParallel(nn.Module):
                 out.append(slice_of[id(t)])
         return tuple(out)
 
+    def group_replicated(self, param_groups: Sequence[dict[str, Any]]) -> tuple[int, ...]:
+        """Positions, in :meth:`group_param_ids`'s order, of the views in ``param_groups``
+        that are whole parameters of a replicated chunk: every rank holds and steps them
+        in full, so a norm over the group must count them once (ms-optim's
+        ``ShardMap.replicated``)."""
+        whole = {id(v) for b in self.buckets if b.replicated for *_, v, _ in b.local}
+        self.group_param_ids(param_groups)  # the same refusal of foreign tensors
+        flat = [t for g in param_groups for t in g["params"]]
+        return tuple(i for i, t in enumerate(flat) if id(t) in whole)
+
     @property
     def param_numels(self) -> tuple[int, ...]:
         """Element count of every parameter, in ``named_parameters()`` order."""
@@ -334,7 +382,8 @@ class ZeroDataParallel(nn.Module):
         return optimizer
 
     def shard_grads(self) -> list[torch.Tensor]:
-        """This rank's reduced gradient shards (one per bucket), e.g. for a norm."""
+        """This rank's reduced gradients, one per bucket: its shard of a sharded bucket,
+        the whole of a replicated one (the same on every rank)."""
         return [b.opt_grad[: max(0, min(b.shard, b.layout.numel - b.lo))] for b in self.buckets]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -348,13 +397,17 @@ class ZeroDataParallel(nn.Module):
         return norm
 
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the reduced gradients (collective over the group)."""
+        """The global L2 norm of the reduced gradients, each element counted once
+        (collective over the group)."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in self.shard_grads():
-            sq += g.float().pow(2).sum()
+        # Replicated buckets are whole and equal on every rank: added after the
+        # all-reduce, once, not once per rank.
+        once = torch.zeros((), dtype=torch.float32, device=self.device)
+        for b, g in zip(self.buckets, self.shard_grads(), strict=True):
+            (once if b.replicated else sq).add_(g.float().pow(2).sum())
         if self.group is not None:
             dist.all_reduce(sq, group=self.group)
-        return sq.sqrt()
+        return (sq + once).sqrt()
 
     def device_mesh(self) -> DeviceMesh:
         """The 1-D data-parallel ``DeviceMesh`` the sharded state is placed on."""
@@ -366,7 +419,8 @@ class ZeroDataParallel(nn.Module):
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``optimizer``'s state with every bucket's per-element state as a 1-D
-        ``DTensor`` (``Shard(0)`` on :meth:`device_mesh`), loadable at any DP size
+        ``DTensor`` on :meth:`device_mesh` (``Shard(0)``; ``Replicate()`` for a
+        replicated chunk's), loadable at any DP size and any ``replicated_chunks``
         (``ms_parallel._zero_state``). Collective over the group. Before the first
         step the state is created as a step with zero gradients and learning rate 0
         would (what ``torch.distributed.checkpoint`` does), so that a checkpointer
@@ -434,7 +488,7 @@ class ZeroDataParallel(nn.Module):
         module dropped the views)."""
         for b in self.buckets:
             if b.reduce is not None:  # never reuse a buffer before its collective's wait
-                raise RuntimeError("internal: a reduce-scatter is still in flight")
+                raise RuntimeError(f"internal: a {b.reduce_op} is still in flight")
             b.grad.zero_()
             b.ready = 0
             b.reduced = False
@@ -499,7 +553,8 @@ class ZeroDataParallel(nn.Module):
         if self._bare_step:
             return
         for b in self.buckets:
-            b.state = _STALE
+            if not b.replicated:  # every rank stepped a replicated bucket whole
+                b.state = _STALE
         self._synced_since_step = False
         if self._chunks:
             self._issue_gather(0)  # the next step's first gather overlaps data loading
@@ -544,7 +599,11 @@ class ZeroDataParallel(nn.Module):
         b.state = _FRESH
 
     def _issue_reduce(self, b: _Bucket) -> None:
-        if b.grad.dtype != b.reduce_dtype:
+        if b.replicated:  # all-reduced in place, in the reduce dtype
+            if b.grad_shard is not b.grad:
+                b.grad_shard.copy_(b.grad)
+            send = b.grad_shard
+        elif b.grad.dtype != b.reduce_dtype:
             if b.send is None:
                 b.send = torch.empty_like(b.grad, dtype=b.reduce_dtype)
             b.send.copy_(b.grad)
@@ -560,15 +619,18 @@ class ZeroDataParallel(nn.Module):
             if b.opt_grad is not b.grad_shard:
                 b.opt_grad.copy_(b.grad_shard)
             return
-        self._emit("reduce_scatter", "issue", chunk=b.layout.chunk, bucket=b.layout.index)
-        b.reduce = _reduce_scatter(b.grad_shard, send, group=self.group, async_op=True)
+        self._emit(b.reduce_op, "issue", chunk=b.layout.chunk, bucket=b.layout.index)
+        if b.replicated:
+            b.reduce = dist.all_reduce(send, group=self.group, async_op=True)
+        else:
+            b.reduce = _reduce_scatter(b.grad_shard, send, group=self.group, async_op=True)
         if not self.prefetch:
             self._wait_reduce(b)
 
     def _wait_reduce(self, b: _Bucket) -> None:
         if b.reduce is None:
             return
-        self._wait(b.reduce, "reduce_scatter", b)
+        self._wait(b.reduce, b.reduce_op, b)
         b.reduce = None
         if b.opt_grad is not b.grad_shard:
             b.opt_grad.copy_(b.grad_shard)

@@ -142,7 +142,11 @@ def optimizer_factory(config: OptimConfig) -> OptimizerFactory:
                     lr=config.lr,
                     betas=betas,
                     eps=config.eps,
-                    shards=ShardMap(param_ids=shards.param_ids, numels=shards.numels),
+                    shards=ShardMap(
+                        param_ids=shards.param_ids,
+                        numels=shards.numels,
+                        replicated=shards.replicated,
+                    ),
                     process_group=shards.group,
                 )
             return Lamb(groups, lr=config.lr, betas=betas, eps=config.eps)
