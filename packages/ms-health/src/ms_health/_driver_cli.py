@@ -54,7 +54,27 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="MODULE:CALLABLE",
-        help="a callable returning the detectors to run (repeatable)",
+        help="a callable returning the detectors to run (repeatable); 'default': "
+        "ms_health.detectors.default_detectors for --heartbeat-interval",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="the senders' interval the default detectors are tuned to (default 0.5)",
+    )
+    p.add_argument(
+        "--recovery",
+        action="store_true",
+        help="act on findings with ms_health.recovery.Recovery (dump, escalate through the "
+        "node agents, let the elastic agents restart); without it findings are only recorded",
+    )
+    p.add_argument(
+        "--diagnose", action="store_true", help="with --recovery: run diagnostics on suspect nodes"
+    )
+    p.add_argument(
+        "--blocklist", type=Path, help="with --recovery: the blocklist file for failed nodes"
     )
     return p
 
@@ -86,7 +106,14 @@ def run(argv: list[str] | None, prog: str) -> int:
     try:
         detectors: list[Detector] = []
         for spec in args.detectors:
-            detectors.extend(load_detectors(spec))
+            if spec == "default":
+                from ms_health.detectors import default_detectors
+
+                detectors.extend(
+                    default_detectors(args.heartbeat_interval, world_size=args.world_size)
+                )
+            else:
+                detectors.extend(load_detectors(spec))
         driver = Driver(
             token,
             host=args.host,
@@ -99,6 +126,12 @@ def run(argv: list[str] | None, prog: str) -> int:
             state_path=args.state,
             events_path=args.events,
         )
+        if args.recovery:
+            from ms_health.blocklist import Blocklist
+            from ms_health.recovery import Recovery
+
+            blocklist = None if args.blocklist is None else Blocklist(args.blocklist)
+            driver.on_finding = Recovery(driver, diagnose=args.diagnose, blocklist=blocklist)
         driver.start()
     except (ValueError, TypeError, ImportError, AttributeError, OSError) as e:
         return _fail(prog, str(e))

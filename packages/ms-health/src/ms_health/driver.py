@@ -7,6 +7,8 @@ Endpoints (every one requires ``Authorization: Bearer <token>``):
 ``POST /heartbeat``    a :class:`~ms_health.record.HeartbeatRecord`; the reply may ask
                        for a stack dump: ``{"ok": true, "dump": <request id>}``
 ``POST /dump``         a :class:`~ms_health.record.StackDump` answering such a request
+``POST /agent``        a node agent's :class:`~ms_health.record.AgentReport`; the reply
+                       hands it the actions ordered for its node: ``{"actions": [...]}``
 ``GET /status``        job, ranks alive/stale/stopping, latest step, phases, open findings
 ``GET /ranks``         each rank's last heartbeat and its age on the driver's clock
 ``GET /events``        ``?since=<seq>&limit=<n>``: the event log after ``seq``
@@ -38,14 +40,17 @@ from typing import Any
 import attrs
 
 from ms_health import _http, _metrics
+from ms_health._agents import AgentBook, AgentView
 from ms_health._dumps import DumpBook
 from ms_health._events import EventLog, HealthEvent, RateLimiter
 from ms_health._state import STATE_FORMAT, check_state, read_state, write_atomic
 from ms_health.findings import KINDS, Detector, Finding
 from ms_health.record import (
+    AgentReport,
     HeartbeatRecord,
     RecordError,
     StackDump,
+    parse_agent_report,
     parse_dump,
     parse_heartbeat,
 )
@@ -84,7 +89,7 @@ class Driver:
     """
 
     get_paths = frozenset({"/status", "/ranks", "/events", "/metrics"})
-    post_paths = frozenset({"/heartbeat", "/dump"})
+    post_paths = frozenset({"/heartbeat", "/dump", "/agent"})
 
     def __init__(
         self,
@@ -154,6 +159,7 @@ class Driver:
         self._ranks: dict[int, _Rank] = {}
         self._open: dict[tuple[str, str, tuple[int, ...]], Finding] = {}
         self._dumps = DumpBook()
+        self._agents = AgentBook()
         self._heartbeats = 0
         self._rejected: dict[str, int] = {}
         self._findings_total: dict[str, int] = dict.fromkeys(KINDS, 0)
@@ -427,6 +433,8 @@ class Driver:
         try:
             if path == "/heartbeat":
                 record = parse_heartbeat(body)
+            elif path == "/agent":
+                report = parse_agent_report(body)
             else:
                 dump = parse_dump(body)
         except RecordError as e:
@@ -434,7 +442,90 @@ class Driver:
             return _http.json_response(400, {"error": str(e)})
         if path == "/heartbeat":
             return self._take_heartbeat(record, client)
+        if path == "/agent":
+            return self._take_agent_report(report, client)
         return self._take_dump(dump, client)
+
+    def _take_agent_report(self, report: AgentReport, client: str) -> _http.Response:
+        if self._job is not None and report.job != self._job:
+            conflict = f"agent.job must be {self._job!r}, got {report.job!r}"
+            self.rejected("conflict", client, conflict)
+            return _http.json_response(409, {"error": conflict})
+        known = report.node in self._agents.agents()
+        actions = self._agents.report(report, self._clock())
+        if not known:
+            self._event(
+                "agent",
+                f"node agent {report.node} (pid {report.pid} on {report.host}) reports "
+                f"{len(report.workers)} worker(s)",
+                ranks=tuple(sorted(report.workers)),
+                evidence={"node": report.node, "host": report.host, "pid": report.pid},
+            )
+        for result in report.results:
+            self._event(
+                "action_result",
+                f"node {report.node}: action {result.get('id')} "
+                f"({result.get('kind', '?')}): {result.get('summary', 'done')}",
+                ranks=tuple(r for r in [result.get("rank")] if isinstance(r, int)),
+                evidence={"node": report.node, "result": dict(result)},
+            )
+        return _http.json_response(200, {"ok": True, "actions": actions})
+
+    # ------------------------------------------------------------------ acting
+
+    def agents(self) -> dict[str, AgentView]:
+        """The node agents by node, as last reported."""
+        return self._agents.agents()
+
+    def order(self, node: str, kind: str, **params: Any) -> int:
+        """Hand action ``kind`` (``escalate``, ``diagnose``) to ``node``'s agent at its
+        next report; the action id for :meth:`wait_result`."""
+        action_id = self._agents.order(node, kind, **params)
+        self._event(
+            "order",
+            f"action {action_id} ({kind}) ordered on node {node}",
+            ranks=tuple(r for r in [params.get("rank")] if isinstance(r, int)),
+            evidence={"node": node, "kind": kind, "id": action_id, **params},
+        )
+        return action_id
+
+    def wait_result(self, action_id: int, timeout_s: float) -> dict[str, Any] | None:
+        """The outcome an agent reported for ``action_id``, or None after ``timeout_s``."""
+        return self._agents.wait(action_id, timeout_s)
+
+    def last_records(self) -> dict[int, HeartbeatRecord]:
+        """Each rank's last heartbeat."""
+        with self._lock:
+            return {r: v.record for r, v in self._ranks.items() if v.record is not None}
+
+    def heard_since(self) -> dict[int, float]:
+        """Each rank's last heartbeat time on the driver's clock."""
+        with self._lock:
+            return {r: v.received_at for r, v in self._ranks.items() if v.received_at is not None}
+
+    def record_event(
+        self,
+        kind: str,
+        message: str,
+        *,
+        ranks: tuple[int, ...] = (),
+        evidence: Mapping[str, Any] | None = None,
+        level: int = logging.INFO,
+    ) -> HealthEvent:
+        """Add a decision to the event log (what a recovery policy does, and why)."""
+        return self._event(kind, message, ranks=ranks, evidence=evidence, level=level)
+
+    def reset_detectors(self, ranks: tuple[int, ...] | None = None) -> None:
+        """Forget the live state of ``ranks`` (all when None) in every detector, keeping
+        what they learned: after the policy restarted them."""
+        with self._lock:
+            for det in self._detectors:
+                det.reset(ranks)
+            self._open.clear()
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._clock
 
     def _take_heartbeat(self, record: HeartbeatRecord, client: str) -> _http.Response:
         with self._lock:

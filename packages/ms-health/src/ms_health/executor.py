@@ -152,6 +152,10 @@ class Heartbeat:
         self._phase = "init"
         self._step: Any = None
         self._loss: Any = None
+        # (step, loss) of every step since the last heartbeat (bounded), converted on
+        # the sender's thread: a NaN is reported with the step it first appeared at,
+        # not the step the next heartbeat happens to carry.
+        self._losses: deque[tuple[Any, Any]] = deque(maxlen=1024)
         self._step_time: float | None = None
         self._step_t: float | None = None  # perf_counter at the last step()
         self._clock_t: float | None = None  # start of the step now running
@@ -228,6 +232,8 @@ class Heartbeat:
             with self._lock:
                 self._step = step
                 self._loss = loss
+                if loss is not None:
+                    self._losses.append((step, loss))
                 self._step_t = t  # made wall-clock when sent: one clock read less here
                 if self._saw_events:
                     self._wait_last = self._wait_now
@@ -395,6 +401,8 @@ class Heartbeat:
     def _record(self, status: str) -> tuple[HeartbeatRecord, int]:
         with self._lock:
             phase, step, loss = self._phase, self._step, self._loss
+            losses = list(self._losses)
+            self._losses.clear()
             step_time, step_t, wait = self._step_time, self._step_t, self._wait_last
             last_op, mesh = self._last_op, self._mesh
             if self._window_s > 0:
@@ -416,6 +424,7 @@ class Heartbeat:
             phase=phase,
             step=_as_step(step),
             loss=_as_float(loss),
+            nonfinite_step=_first_nonfinite(losses),
             tokens_per_s=_as_rate(tokens_per_s),
             step_time_s=_as_rate(step_time),
             step_at=None if step_t is None else time.time() - (time.perf_counter() - step_t),
@@ -551,6 +560,14 @@ def _as_float(x: Any) -> float | None:
         return float(x)  # a tensor syncs here, on this thread, not in the loop
     except (TypeError, ValueError, RuntimeError, OverflowError):
         return None
+
+
+def _first_nonfinite(losses: list[tuple[Any, Any]]) -> int | None:
+    for step, loss in losses:
+        value = _as_float(loss)
+        if value is not None and not math.isfinite(value):
+            return _as_step(step)
+    return None
 
 
 def _as_rate(x: Any) -> float | None:

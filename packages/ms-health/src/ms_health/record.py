@@ -24,9 +24,11 @@ __all__ = [
     "MAX_LOG_LINE_CHARS",
     "PHASES",
     "STATUSES",
+    "AgentReport",
     "HeartbeatRecord",
     "RecordError",
     "StackDump",
+    "parse_agent_report",
     "parse_dump",
     "parse_heartbeat",
 ]
@@ -75,6 +77,9 @@ class HeartbeatRecord:
     #: Optimizer steps completed by this process's loop (None before the first).
     step: int | None = None
     loss: float | None = None
+    #: The first step since the previous heartbeat whose loss was NaN or inf (the loop
+    #: reports every step's loss; ``loss`` is only the newest), or None.
+    nonfinite_step: int | None = None
     tokens_per_s: float | None = None
     #: Wall seconds of the last step, and when it ended (sender clock).
     step_time_s: float | None = None
@@ -148,6 +153,7 @@ def parse_heartbeat(body: bytes | str | Mapping[str, Any]) -> HeartbeatRecord:
         phase=r.text("phase"),
         step=r.integer("step", low=0, optional=True),
         loss=r.loss("loss"),
+        nonfinite_step=r.integer("nonfinite_step", low=0, optional=True),
         tokens_per_s=r.number("tokens_per_s", optional=True, low=0.0),
         step_time_s=r.number("step_time_s", optional=True, low=0.0),
         step_at=r.number("step_at", optional=True),
@@ -207,7 +213,7 @@ def _object(body: bytes | str | Mapping[str, Any], what: str) -> Mapping[str, An
     if fmt != FORMAT:
         raise RecordError(f"{what}.format must be {FORMAT}, got {fmt!r}")
     kind = obj.get("type")
-    if kind != ("heartbeat" if what == "heartbeat" else "dump"):
+    if kind != what:
         raise RecordError(f"{what}.type must be {what!r}, got {kind!r}")
     return obj
 
@@ -298,3 +304,71 @@ class _Reader:
             if not isinstance(line, str) or len(line) > MAX_LOG_LINE_CHARS:
                 raise self._bad(f"{name}[{i}]", f"a string of <= {MAX_LOG_LINE_CHARS} chars", line)
         return tuple(v)
+
+
+# ---------------------------------------------------------------------- node agents
+
+
+@attrs.frozen
+class AgentReport:
+    """A node agent's report: the workers it runs, and the outcomes of the actions the
+    driver asked of it since its last report. The driver's reply carries new actions."""
+
+    job: str
+    node: str
+    host: str
+    pid: int
+    sent_at: float
+    #: The elastic restart round its workers run in.
+    restart: int
+    #: Global rank -> pid of this node's live workers.
+    workers: Mapping[int, int] = attrs.field(factory=dict)
+    #: ``{"id": <action id>, "ok": bool, ...}`` per finished action.
+    results: tuple[Mapping[str, Any], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "type": "agent",
+            "job": self.job,
+            "node": self.node,
+            "host": self.host,
+            "pid": self.pid,
+            "sent_at": self.sent_at,
+            "restart": self.restart,
+            "workers": {str(r): p for r, p in self.workers.items()},
+            "results": [dict(r) for r in self.results],
+        }
+
+
+def parse_agent_report(body: bytes | str | Mapping[str, Any]) -> AgentReport:
+    """The agent report in ``body``, validated."""
+    obj = _object(body, "agent")
+    r = _Reader(obj, "agent")
+    workers_raw = r.mapping("workers") or {}
+    workers: dict[int, int] = {}
+    for key, pid in workers_raw.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise RecordError(f"agent.workers keys must be ranks (digit strings), got {key!r}")
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid < 1:
+            raise RecordError(f"agent.workers[{key}] must be a pid (int >= 1), got {pid!r}")
+        workers[int(key)] = pid
+    results = obj.get("results", [])
+    if not isinstance(results, list) or len(results) > 64:
+        raise RecordError(f"agent.results must be a list of <= 64 objects, got {results!r:.80}")
+    for i, res in enumerate(results):
+        ok = isinstance(res, Mapping) and isinstance(res.get("id"), int)
+        if not ok or isinstance(res.get("id"), bool):
+            raise RecordError(
+                f"agent.results[{i}] must be an object with an int id, got {res!r:.80}"
+            )
+    return AgentReport(
+        job=r.text("job"),
+        node=r.text("node"),
+        host=r.text("host"),
+        pid=r.integer("pid", low=1),
+        sent_at=r.number("sent_at"),
+        restart=r.integer("restart", low=0, default=0),
+        workers=workers,
+        results=tuple(dict(x) for x in results),
+    )

@@ -55,7 +55,12 @@ class NonFiniteLoss:
         if seen is not None and seen[0] != record.pid:
             del self._first[record.rank]  # a new process starts over
             seen = None
-        if seen is None and record.loss is not None and not math.isfinite(record.loss):
+        if seen is not None:
+            return
+        if record.nonfinite_step is not None:  # the first bad step since the last beat
+            loss = record.loss if record.loss is not None else math.nan
+            self._first[record.rank] = (record.pid, record.nonfinite_step, loss, now)
+        elif record.loss is not None and not math.isfinite(record.loss):
             self._first[record.rank] = (record.pid, record.step, record.loss, now)
 
     def check(self, now: float) -> list[Finding]:

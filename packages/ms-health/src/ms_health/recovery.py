@@ -1,0 +1,284 @@
+"""What the driver does about a finding: diagnose, end the faulty processes, let the
+elastic agents restart the job from its newest committed checkpoint.
+
+:class:`Recovery` is a driver's ``on_finding`` policy (it runs on the driver's action
+thread, one finding at a time). Each step is an event with its evidence:
+
+- **crash** or **hang**: every rank still heard from is asked for its stacks; the
+  suspects are the finding's ranks and every rank that does not answer within
+  ``dump_timeout_s`` (a stopped rank, or one spinning with the GIL held, cannot). Each
+  suspect's node agent escalates it (its faulthandler stacks, SIGTERM, SIGKILL, each
+  bounded). Its elastic agent then sees a failed worker and restarts the workers of
+  every node, which resume from the newest committed checkpoint. With ``diagnose``,
+  the suspects' nodes are then tested (:mod:`ms_health.diagnostics`) and a node that
+  fails goes on the ``blocklist``.
+- **nonfinite** (a NaN or inf loss at step k): a rollback. Every rank is killed at once,
+  without a graceful save (ms-train also never commits a step whose gradient norm is
+  not finite), and the restart resumes from the newest checkpoint before k. After
+  ``max_rollbacks`` rollbacks for the same step the policy stops rolling back (the NaN
+  is in the data or the model, not a fluke) and says so.
+- **straggler**, **loss_spike**, **throughput**: recorded; a straggler's node is
+  diagnosed when ``diagnose`` is on. Nothing is killed for them.
+
+While a restart it caused is under way, the policy does not act on the crash and hang
+findings that the restart itself raises (every rank falls silent for a few seconds):
+until each rank has reported from a newer restart round, or ``settle_s`` passed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ms_health.findings import Finding
+
+if TYPE_CHECKING:
+    from ms_health.blocklist import Blocklist
+    from ms_health.driver import Driver
+
+__all__ = ["Recovery"]
+
+
+class Recovery:
+    """The default recovery policy; ``driver.on_finding = Recovery(driver)``.
+
+    Args:
+        driver: the driver whose findings it acts on.
+        dump_timeout_s: how long live ranks get to answer a stack-dump request.
+        action_timeout_s: how long an agent's escalation may take to report back.
+        diagnose: test suspect nodes after a fault (and stragglers' nodes).
+        blocklist: where nodes that fail their diagnostics go.
+        max_rollbacks: rollbacks for the same NaN step before the policy stops.
+        settle_s: the longest the policy waits for a restart it caused before it acts
+            on crash or hang findings again.
+    """
+
+    def __init__(
+        self,
+        driver: Driver,
+        *,
+        dump_timeout_s: float = 2.0,
+        action_timeout_s: float = 30.0,
+        diagnose: bool = False,
+        blocklist: Blocklist | None = None,
+        max_rollbacks: int = 2,
+        settle_s: float = 120.0,
+    ) -> None:
+        for name, value in (
+            ("dump_timeout_s", dump_timeout_s),
+            ("action_timeout_s", action_timeout_s),
+            ("settle_s", settle_s),
+        ):
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if isinstance(max_rollbacks, bool) or not isinstance(max_rollbacks, int):
+            raise ValueError(f"max_rollbacks must be an int >= 0, got {max_rollbacks!r}")
+        self.driver = driver
+        self.dump_timeout_s = dump_timeout_s
+        self.action_timeout_s = action_timeout_s
+        self.diagnose = diagnose
+        self.blocklist = blocklist
+        self.max_rollbacks = max_rollbacks
+        self.settle_s = settle_s
+        self._rollbacks: dict[int, int] = {}
+        # The restart round the last action ended and when: findings from that round
+        # are the restart's own silence.
+        self._acted_round: int | None = None
+        self._acted_at = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self, finding: Finding) -> None:
+        with self._lock:
+            if finding.kind in ("crash", "hang"):
+                self._end_faulty(finding)
+            elif finding.kind == "nonfinite":
+                self._roll_back(finding)
+            elif finding.kind == "straggler" and self.diagnose:
+                self._diagnose_nodes(finding, self._nodes_of(finding.ranks))
+
+    # ------------------------------------------------------------------ crash, hang
+
+    def _restarting(self, finding: Finding) -> bool:
+        """Whether ``finding`` is the silence of a restart this policy caused."""
+        if self._acted_round is None:
+            return False
+        if time.monotonic() - self._acted_at > self.settle_s:
+            self._acted_round = None
+            return False
+        records = self.driver.last_records()
+        return any(
+            records.get(r) is None or records[r].restart <= self._acted_round for r in finding.ranks
+        )
+
+    def _end_faulty(self, finding: Finding) -> None:
+        if self._restarting(finding):
+            self.driver.record_event(
+                "recovery",
+                f"{finding.kind} of ranks {list(finding.ranks)} during the restart under way: "
+                "not acted on",
+                ranks=finding.ranks,
+                evidence={"finding": finding.to_json(), "acted_round": self._acted_round},
+            )
+            return
+        records = self.driver.last_records()
+        live = sorted(r for r, rec in records.items() if rec.status == "running")
+        request = self.driver.request_dumps(live)
+        answered = self.driver.wait_dumps(request, self.dump_timeout_s)
+        silent = [r for r in live if r not in answered]
+        suspects = sorted(set(finding.ranks) | set(silent))
+        if finding.kind == "hang" and not silent:
+            suspects = sorted(finding.ranks)
+        self.driver.record_event(
+            "diagnosis",
+            f"{finding.kind}: suspects {suspects} (asked {live} for their stacks; "
+            f"{len(answered)} answered, silent: {silent})",
+            ranks=tuple(suspects),
+            evidence={
+                "finding": finding.to_json(),
+                "asked": live,
+                "answered": sorted(answered),
+                "silent": silent,
+                "last_ops": {str(r): d.last_op for r, d in answered.items()},
+                "steps": {str(r): rec.step for r, rec in records.items()},
+            },
+            level=logging.WARNING,
+        )
+        ended = self._escalate(suspects, records, term_timeout_s=None, why=finding.kind)
+        self._mark_acted(records)
+        if self.diagnose:
+            self._diagnose_nodes(finding, self._nodes_of(suspects))
+        self.driver.record_event(
+            "recovery",
+            f"{finding.kind}: ended {ended}; the elastic agents restart the workers from "
+            "the newest committed checkpoint",
+            ranks=tuple(suspects),
+            evidence={"ended": ended},
+        )
+
+    # ------------------------------------------------------------------ NaN
+
+    def _roll_back(self, finding: Finding) -> None:
+        step = -1 if finding.step is None else finding.step
+        done = self._rollbacks.get(step, 0)
+        if done >= self.max_rollbacks:
+            self.driver.record_event(
+                "recovery",
+                f"non-finite loss at step {step} again after {done} rollback(s): not rolling "
+                "back again (the cause is in the data or the model); the job goes on",
+                ranks=finding.ranks,
+                evidence={"finding": finding.to_json(), "rollbacks": done},
+                level=logging.ERROR,
+            )
+            return
+        self._rollbacks[step] = done + 1
+        records = self.driver.last_records()
+        everyone = sorted(r for r, rec in records.items() if rec.status == "running")
+        self.driver.record_event(
+            "rollback",
+            f"non-finite loss at step {step}: ending every rank without a save; the "
+            "restart resumes from the newest checkpoint before it",
+            ranks=tuple(everyone),
+            evidence={"finding": finding.to_json(), "rollback": done + 1},
+            level=logging.WARNING,
+        )
+        ended = self._escalate(everyone, records, term_timeout_s=0.0, why="rollback")
+        self._mark_acted(records)
+        self.driver.record_event(
+            "recovery",
+            f"rollback from step {step}: ended {ended}",
+            ranks=tuple(everyone),
+            evidence={"ended": ended},
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _escalate(
+        self,
+        ranks: list[int],
+        records: dict[int, Any],
+        *,
+        term_timeout_s: float | None,
+        why: str,
+    ) -> dict[str, str]:
+        """Order each rank's agent to end it; rank -> outcome (as the agents report)."""
+        orders: dict[int, int] = {}
+        outcomes: dict[str, str] = {}
+        agents = self.driver.agents()
+        for rank in ranks:
+            record = records.get(rank)
+            if record is None:
+                outcomes[str(rank)] = "unknown rank: never heard from"
+                continue
+            node = next(
+                (n for n, view in agents.items() if record.pid in view.workers.values()),
+                record.node if record.node in agents else None,
+            )
+            if node is None:
+                outcomes[str(rank)] = f"no agent on node {record.node}: cannot act"
+                self.driver.record_event(
+                    "recovery",
+                    f"rank {rank}: no node agent for node {record.node}; it cannot be ended "
+                    "from here",
+                    ranks=(rank,),
+                    level=logging.ERROR,
+                )
+                continue
+            params: dict[str, Any] = {"rank": rank, "pid": record.pid, "reason": why}
+            if term_timeout_s is not None:
+                params["term_timeout_s"] = term_timeout_s
+            orders[rank] = self.driver.order(node, "escalate", **params)
+        deadline = time.monotonic() + self.action_timeout_s
+        for rank, action_id in orders.items():
+            result = self.driver.wait_result(action_id, max(0.0, deadline - time.monotonic()))
+            outcomes[str(rank)] = (
+                "no answer from its agent"
+                if result is None
+                else str(result.get("escalation", {}).get("outcome", result.get("summary")))
+            )
+        return outcomes
+
+    def _mark_acted(self, records: dict[int, Any]) -> None:
+        rounds = [rec.restart for rec in records.values()]
+        self._acted_round = max(rounds, default=0)
+        self._acted_at = time.monotonic()
+
+    def _nodes_of(self, ranks: tuple[int, ...] | list[int]) -> list[str]:
+        """The agents' nodes that run ``ranks`` (matched by pid, whatever each side calls
+        the node)."""
+        records = self.driver.last_records()
+        agents = self.driver.agents()
+        nodes = set()
+        for r in ranks:
+            if r not in records:
+                continue
+            pid = records[r].pid
+            nodes.update(n for n, view in agents.items() if pid in view.workers.values())
+        return sorted(nodes)
+
+    def _diagnose_nodes(self, finding: Finding, nodes: list[str]) -> None:
+        agents = self.driver.agents()
+        orders = {n: self.driver.order(n, "diagnose") for n in nodes if n in agents}
+        for node, action_id in orders.items():
+            result = self.driver.wait_result(action_id, self.action_timeout_s + 120.0)
+            if result is None:
+                self.driver.record_event(
+                    "diagnostics", f"node {node}: no diagnostics came back", level=logging.ERROR
+                )
+                continue
+            ok = bool(result.get("ok"))
+            self.driver.record_event(
+                "diagnostics",
+                f"node {node}: {'passed' if ok else 'FAILED'}: {result.get('summary', '')}",
+                evidence={"node": node, "finding": finding.to_json(), "result": result},
+                level=logging.INFO if ok else logging.ERROR,
+            )
+            if not ok and self.blocklist is not None:
+                self.blocklist.add(node, f"diagnostics failed after {finding.kind}", result)
+                self.driver.record_event(
+                    "blocklist",
+                    f"node {node} put on the blocklist",
+                    evidence={"node": node},
+                    level=logging.ERROR,
+                )

@@ -1,0 +1,59 @@
+"""Node agent reports on the wire: round trip, and every bad field refused by name; the
+driver hands an agent the actions ordered for its node, once, and records outcomes."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from ms_health.driver import Driver
+from ms_health.record import AgentReport, RecordError, parse_agent_report
+
+
+def _report(**change: object) -> dict[str, object]:
+    body = AgentReport(
+        job="j", node="n0", host="h", pid=7, sent_at=time.time(), restart=1, workers={0: 11, 3: 12}
+    ).to_json()
+    body.update(change)
+    return body
+
+
+def test_round_trip_and_bad_fields() -> None:
+    parsed = parse_agent_report(json.dumps(_report(results=[{"id": 4, "ok": True}])))
+    assert parsed.workers == {0: 11, 3: 12} and parsed.restart == 1
+    assert parsed.results == ({"id": 4, "ok": True},)
+    for change, message in [
+        ({"workers": {"x": 1}}, r"agent.workers keys must be ranks"),
+        ({"workers": {"0": 0}}, r"agent.workers\[0\] must be a pid"),
+        ({"results": [{"ok": True}]}, r"agent.results\[0\] must be an object with an int id"),
+        ({"results": "no"}, r"agent.results must be a list"),
+        ({"type": "heartbeat"}, r"agent.type must be 'agent'"),
+        ({"pid": -1}, r"agent.pid must be an int >= 1"),
+        ({"node": ""}, r"agent.node must be a non-empty string"),
+    ]:
+        with pytest.raises(RecordError, match=message):
+            parse_agent_report(json.dumps(_report(**change)))
+
+
+def test_the_driver_hands_each_action_once_to_its_node_and_records_the_outcome() -> None:
+    driver = Driver("t", job="j", tick_s=None)
+    first = parse_agent_report(_report())
+    assert driver._take_agent_report(first, "test")[0] == 200
+    action = driver.order("n0", "escalate", rank=3, pid=12)
+    other = driver.order("n1", "diagnose")
+    status, body, _ = driver._take_agent_report(first, "test")
+    assert status == 200
+    assert json.loads(body)["actions"] == [{"id": action, "kind": "escalate", "rank": 3, "pid": 12}]
+    assert json.loads(driver._take_agent_report(first, "test")[1])["actions"] == []  # once
+    assert driver.wait_result(action, 0.01) is None
+    done = parse_agent_report(_report(results=[{"id": action, "kind": "escalate", "ok": True}]))
+    driver._take_agent_report(done, "test")
+    assert driver.wait_result(action, 1.0) == {"id": action, "kind": "escalate", "ok": True}
+    assert driver.wait_result(other, 0.01) is None  # n1 never reported
+    assert [e.kind for e in driver.events()][-1] == "action_result"
+    status, body, _ = driver._take_agent_report(parse_agent_report(_report(job="k")), "test")
+    assert status == 409 and "agent.job must be 'j'" in json.loads(body)["error"]
+    with pytest.raises(ValueError, match="kind must be one of"):
+        driver.order("n0", "reboot")
