@@ -249,7 +249,7 @@ class Recovery:
         the node)."""
         records = self.driver.last_records()
         agents = self.driver.agents()
-        nodes = set()
+        nodes: set[str] = set()
         for r in ranks:
             if r not in records:
                 continue
