@@ -50,6 +50,7 @@ def test_a_full_heartbeat_parses_field_for_field() -> None:
         hardware={"cpu_cores": 2},
         logs=["WARNING x: NCCL timeout"],
         restart=3,
+        nonfinite_step=None,
     )
     record = parse_heartbeat(json.dumps(body).encode())
     assert record.rank == 1 and record.step == 12 and record.loss == 2.5

@@ -542,7 +542,20 @@ class Driver:
                         det.observe(record, now)
                     except Exception as e:
                         self._detector_error(det, "observe", e, now)
-                reply: dict[str, Any] = {"ok": True}
+                fresh = sum(
+                    1
+                    for r in self._ranks.values()
+                    if r.received_at is not None and now - r.received_at <= self.stale_after_s
+                )
+                # The job as the driver sees it, for the loop's progress line.
+                reply: dict[str, Any] = {
+                    "ok": True,
+                    "job": {
+                        "heard": fresh,
+                        "world": self._world_size,
+                        "open": sorted({f.kind for f in self._open.values()}),
+                    },
+                }
                 pending = self._dumps.pending(record.rank)
                 if pending is not None:
                     reply["dump"] = pending

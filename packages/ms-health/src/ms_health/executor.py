@@ -155,6 +155,9 @@ class Heartbeat:
         # (step, loss) of every step since the last heartbeat (bounded), converted on
         # the sender's thread: a NaN is reported with the step it first appeared at,
         # not the step the next heartbeat happens to carry.
+        #: The driver's last view of the job (``{"heard", "world", "open"}``), from the
+        #: reply to a heartbeat; empty before the first.
+        self.job_view: dict[str, Any] = {}
         self._losses: deque[tuple[Any, Any]] = deque(maxlen=1024)
         self._step_time: float | None = None
         self._step_t: float | None = None  # perf_counter at the last step()
@@ -305,6 +308,16 @@ class Heartbeat:
 
     # ------------------------------------------------------------------ life cycle
 
+    def summary(self) -> str:
+        """The job as the driver last saw it, for a progress line: ``"4/4 ranks heard"``,
+        with the kinds of open findings; ``"no driver"`` before a reply came."""
+        view = self.job_view
+        if not view:
+            return "no driver"
+        text = f"{view.get('heard', '?')}/{view.get('world', '?')} ranks heard"
+        open_ = view.get("open") or []
+        return text + (f", {'/'.join(map(str, open_))}" if open_ else "")
+
     def start(self) -> Heartbeat:
         """Start the sender thread and the log tap; returns self."""
         if self._thread is not None:
@@ -381,6 +394,9 @@ class Heartbeat:
             return
         self.sent += 1
         self._log_sent = last_log
+        view = reply.get("job")
+        if isinstance(view, dict):
+            self.job_view = view
         if self._trouble:
             _log.info(
                 "ms-health: heartbeats reach the driver at %s again (%d failed so far)",
