@@ -64,7 +64,7 @@ def _sibling_requirements(requirements: list[str]) -> dict[str, Requirement]:
 
 def test_ms_train_requires_exactly_the_siblings_it_imports_as_ranges() -> None:
     # A sibling ms-train does not import would only make installing harder: before
-    # this rule, `pip install ms-train` also needed the empty ms-parallel and ms-health.
+    # this rule, `pip install ms-train` also needed packages that were still empty.
     imported = set(imported_siblings())
     assert imported, "the import scan found no sibling in ms-train's source"
     project = pyproject("ms-train")["project"]

@@ -144,7 +144,7 @@ def test_make_dist_builds_a_wheel_and_an_sdist_of_each_package(built: Built) -> 
 @pytest.mark.slow
 def test_the_readme_install_takes_only_the_siblings_ms_train_needs(installed: Built) -> None:
     found = ms_distributions(installed.python)
-    # Only what ms-train imports: not the empty ms-parallel and ms-health.
+    # Only what ms-train imports.
     expected = sorted(["ms-train", *imported_siblings()])
     assert sorted(canonicalize_name(n) for n in found) == expected, f"installed {sorted(found)}"
     for name, version in found.items():

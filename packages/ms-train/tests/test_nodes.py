@@ -104,6 +104,7 @@ def test_two_nodes_train_as_one_job_of_two_ranks(corpus: Path, tmp_path: Path) -
     _finish(_start(one, "--nproc", "2"))
     nodes = ["--nproc", "1", "--nnodes", "2", "--rdzv-id", "test-two-nodes"]
     nodes += ["--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]
+    nodes += ["--health-endpoint", f"127.0.0.1:{_free_port()}"]  # one driver for both
     jobs = [_start(two, *nodes) for _ in range(2)]
     for job in jobs:
         _finish(job)

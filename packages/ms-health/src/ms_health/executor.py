@@ -176,6 +176,10 @@ class Heartbeat:
         # The sender's own state.
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
+        # Set by every step() with a loss: the sender looks at it at once, and sends
+        # early when it is not finite (the rank that saw a NaN first must be heard
+        # first: its peers go NaN one step later, through the gradients).
+        self._new_loss = threading.Event()
         self._stopping = threading.Event()
         self._final_status = "stopping"
         self._seq = 0
@@ -247,6 +251,8 @@ class Heartbeat:
                     if tokens is not None:
                         self._window_tokens += tokens
                         self._window_s += t - start
+            if loss is not None:
+                self._new_loss.set()
         except Exception:  # a bad argument must not stop training
             pass
 
@@ -270,6 +276,7 @@ class Heartbeat:
             self._clock_t = time.perf_counter()
         if previous != name:
             self._wake.set()
+            self._new_loss.set()  # ends the sender's pause
         return previous
 
     def on_event(self, name: str, kind: str, t: float, **attrs: Any) -> None:
@@ -340,6 +347,7 @@ class Heartbeat:
         self._final_status = status
         self._stopping.set()
         self._wake.set()
+        self._new_loss.set()
         self._thread.join(self._join_timeout_s)
 
     @property
@@ -370,9 +378,27 @@ class Heartbeat:
                     self.failures += 1
                 if final:
                     return
-                self._wake.wait(self.interval_s)
+                self._pause()
         finally:
             self._client.close()
+
+    def _pause(self) -> None:
+        """Wait for the next heartbeat: ``interval_s``, or less after a phase change, a
+        stop, or a step whose loss is not finite."""
+        deadline = time.monotonic() + self.interval_s
+        while not self._wake.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self._new_loss.wait(left):
+                self._new_loss.clear()
+                if self._saw_nonfinite():
+                    return
+
+    def _saw_nonfinite(self) -> bool:
+        with self._lock:
+            losses = list(self._losses)
+        return _first_nonfinite(losses) is not None
 
     def _send(self, status: str) -> None:
         record, last_log = self._record(status)

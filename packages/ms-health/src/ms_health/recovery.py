@@ -160,6 +160,15 @@ class Recovery:
     # ------------------------------------------------------------------ NaN
 
     def _roll_back(self, finding: Finding) -> None:
+        if self._restarting(finding):  # the other ranks' NaN of a step already handled
+            self.driver.record_event(
+                "recovery",
+                f"non-finite loss of ranks {list(finding.ranks)} at step {finding.step} "
+                "during the rollback under way: not acted on",
+                ranks=finding.ranks,
+                evidence={"finding": finding.to_json(), "acted_round": self._acted_round},
+            )
+            return
         step = -1 if finding.step is None else finding.step
         done = self._rollbacks.get(step, 0)
         if done >= self.max_rollbacks:

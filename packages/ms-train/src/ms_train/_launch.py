@@ -23,7 +23,6 @@ an expected error.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import json
 import logging
 import os
@@ -39,7 +38,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ms_train import _procs
+from ms_train import _health, _procs
 from ms_train._fail import report_failure
 from ms_train._nodes import Nodes
 from ms_train._stop import Stopped, newest_committed
@@ -87,8 +86,9 @@ def run_rank(
         _procs.die_with_parent(os.getppid())  # torchrun's agent
     if world > 1:
         # `kill -USR1 <pid>` prints every thread's stack, even from a rank stuck in C
-        # with the GIL held (faulthandler's handler needs no GIL), as py-spy dump would.
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        # with the GIL held (faulthandler's handler needs no GIL), as py-spy dump would;
+        # under ms-health into the file its node agent reads.
+        _health.install_dump_handler(rank)
     try:
         with trainer_cls(config, peak_flops=peak_flops) as trainer:
             trainer.train()
@@ -98,7 +98,10 @@ def run_rank(
         if debug:
             traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
         _report(under[1], rank, {"error": str(e)})
-        return EXIT_USAGE
+        # An expected failure is the same on a rerun: exit 0 so that the elastic agent
+        # does not restart the ranks into it (--max-restarts); the launcher prints the
+        # report and exits 2.
+        return 0 if world > 1 else EXIT_USAGE
     except Stopped as s:
         if under is not None:
             _report(under[1], rank, {"stopped": s.step, "account": s.account()})
@@ -166,6 +169,15 @@ def launch(
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
         ours.append("OMP_NUM_THREADS")
     os.environ[_REPORT_DIR], os.environ[_LAUNCHER_PID] = str(folder), str(os.getpid())
+    run_id = nodes.run_id or uuid.uuid4().hex
+    health = None
+    if nodes.health:
+        from ms_train._health_launch import HealthSide
+
+        health = HealthSide(config, run_id, endpoint=nodes.health_endpoint, nnodes=nodes.nnodes)
+        for name, value in health.start().items():
+            os.environ[name] = value
+            ours.append(name)
     # The agent, on a thread, cannot take the signals and says so; it reports failures
     # as logged tracebacks. The launcher does both itself.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -174,7 +186,7 @@ def launch(
         min_nodes=nodes.nnodes,
         max_nodes=nodes.nnodes,
         nproc_per_node=nproc,
-        run_id=nodes.run_id or uuid.uuid4().hex,
+        run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0" if standalone else str(nodes.endpoint),
         max_restarts=nodes.max_restarts,
@@ -193,8 +205,14 @@ def launch(
     try:
         sessions = _supervise(agent, signals, grace)
         _drain(sessions)
+        if health is not None:
+            for line in health.stop():
+                print(line, file=sys.stderr, flush=True)
+            health = None
         return _outcome(agent, signals, _reports(folder), config)
     finally:
+        if health is not None:
+            health.stop()
         for s, prev in previous.items():
             signal.signal(s, prev)
         for name in ours:

@@ -19,3 +19,7 @@ class Nodes:
     run_id: str | None = None
     #: After a rank fails, every node's agent restarts its ranks, up to this many times.
     max_restarts: int = 0
+    #: ms-health: heartbeats, a driver that detects and recovers (``ms_train._health_launch``).
+    health: bool = False
+    #: With several nodes, where the driver listens (the launcher that binds it hosts it).
+    health_endpoint: str | None = None

@@ -92,10 +92,24 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--max-restarts",
         type=_count_arg,
-        default=0,
+        default=None,
         metavar="R",
         help="restart the ranks of every node up to R times after a rank fails; they "
-        "resume from the newest committed checkpoint (default 0)",
+        "resume from the newest committed checkpoint (default 3 with --health, else 0)",
+    )
+    train.add_argument(
+        "--health",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ms-health: heartbeats to a driver that detects crashes, hangs, NaN and "
+        "stragglers and recovers (default: on with more than one rank)",
+    )
+    train.add_argument(
+        "--health-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --nnodes > 1: where the health driver listens (the launcher that binds "
+        "it hosts it)",
     )
     train.add_argument(
         "--peak-tflops",
@@ -190,7 +204,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 #: Options for the launcher only: the ranks it starts run without them.
-_LAUNCHER_OPTIONS = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--max-restarts")
+_LAUNCHER_OPTIONS = (
+    "--nproc",
+    "--nnodes",
+    "--rdzv-endpoint",
+    "--rdzv-id",
+    "--max-restarts",
+    "--health-endpoint",
+)
+#: Flags without a value that only the launcher takes.
+_LAUNCHER_FLAGS = ("--health", "--no-health")
 
 
 def _rank_argv(argv: list[str]) -> list[str]:
@@ -200,6 +223,8 @@ def _rank_argv(argv: list[str]) -> list[str]:
     for a in argv:
         if skip:
             skip = False
+        elif a in _LAUNCHER_FLAGS:
+            continue
         elif a in _LAUNCHER_OPTIONS:
             skip = True
         elif not a.startswith(tuple(f"{o}=" for o in _LAUNCHER_OPTIONS)):
@@ -214,11 +239,16 @@ def _nodes(args: argparse.Namespace) -> Nodes:
             f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT and --rdzv-id ID, the "
             "same on every node"
         )
+    health = args.health if args.health is not None else args.nproc * args.nnodes > 1
+    default_restarts = 3 if health else 0
+    restarts = default_restarts if args.max_restarts is None else args.max_restarts
     return Nodes(
         nnodes=args.nnodes,
         endpoint=args.rdzv_endpoint,
         run_id=args.rdzv_id,
-        max_restarts=args.max_restarts,
+        max_restarts=restarts,
+        health=health,
+        health_endpoint=args.health_endpoint,
     )
 
 
@@ -240,7 +270,9 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(dry_run_plan(config, world, checked), flush=True)
         return 0
-    if (args.nproc > 1 or nodes.nnodes > 1 or nodes.max_restarts) and not under_torchrun:
+    if (args.nproc > 1 or nodes.nnodes > 1 or nodes.max_restarts or nodes.health) and (
+        not under_torchrun
+    ):
         from ms_train._launch import launch
 
         return launch(args.nproc, _rank_argv(argv), config, nodes=nodes)

@@ -14,34 +14,40 @@ from collections.abc import Callable
 
 import torch
 
-from ms_parallel import DDPEngine, StepEngine, ZeroEngine
+from ms_parallel import DDPEngine, EventHook, StepEngine, ZeroEngine
 from ms_train.config import ParallelConfig
 
 __all__ = ["ENGINES", "DDPEngine", "StepEngine", "ZeroEngine", "make_engine"]
 
-EngineFactory = Callable[[ParallelConfig, torch.device], StepEngine]
+#: ``factory(parallel, device, on_event)``: ``on_event`` is ms-parallel's event hook
+#: (ms-health's heartbeat takes the collectives' waits from it), or None.
+EngineFactory = Callable[[ParallelConfig, torch.device, EventHook | None], StepEngine]
 
 
-def _ddp(p: ParallelConfig, device: torch.device) -> StepEngine:
-    return DDPEngine(device, bucket_cap_mb=p.bucket_mb)
+def _ddp(p: ParallelConfig, device: torch.device, on_event: EventHook | None) -> StepEngine:
+    return DDPEngine(device, bucket_cap_mb=p.bucket_mb)  # torch's DDP reports no events
 
 
-def _zero(p: ParallelConfig, device: torch.device) -> StepEngine:
+def _zero(p: ParallelConfig, device: torch.device, on_event: EventHook | None) -> StepEngine:
     # One process without a process group still runs ZeRO's code and state form, so a
     # checkpoint moves between one rank and many.
-    return ZeroEngine(device, bucket_mb=p.bucket_mb, timeout_s=p.collective_timeout_s)
+    return ZeroEngine(
+        device, bucket_mb=p.bucket_mb, timeout_s=p.collective_timeout_s, on_event=on_event
+    )
 
 
 #: Engines by the name ``parallel.engine`` gives.
 ENGINES: dict[str, EngineFactory] = {"ddp": _ddp, "zero": _zero}
 
 
-def make_engine(parallel: ParallelConfig, device: torch.device) -> StepEngine:
-    """The engine ``parallel.engine`` names, for ``device``."""
+def make_engine(
+    parallel: ParallelConfig, device: torch.device, on_event: EventHook | None = None
+) -> StepEngine:
+    """The engine ``parallel.engine`` names, for ``device``, reporting to ``on_event``."""
     try:
         factory = ENGINES[parallel.engine]
     except KeyError:
         raise ValueError(
             f"parallel.engine must be one of {sorted(ENGINES)}, got {parallel.engine!r}"
         ) from None
-    return factory(parallel, device)
+    return factory(parallel, device, on_event)

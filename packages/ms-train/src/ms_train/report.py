@@ -8,7 +8,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -70,6 +70,9 @@ class Progress:
         self.width = width
         self.last: dict[str, float] = {}
         self._drawn = False
+        #: Returns the job's health in a few words (ms-health's heartbeat summary), shown
+        #: on every line when set.
+        self.health: Callable[[], str] | None = None
 
     def line(self, step: int, metrics: Mapping[str, float], eta_s: float) -> str:
         done = (step - self.start) / max(1, self.total - self.start)
@@ -87,6 +90,8 @@ class Progress:
             parts.append(f"MFU {100 * metrics['mfu']:.1f}%{over}")
         if "data_wait" in metrics:
             parts.append(f"data-wait {100 * metrics['data_wait']:.1f}%")
+        if self.health is not None:
+            parts.append(f"health {self.health()}")
         parts.append(f"ETA {format_duration(eta_s)}")
         return " | ".join(parts)
 

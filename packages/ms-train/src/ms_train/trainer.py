@@ -52,7 +52,7 @@ from ms_ckpt import Checkpointer
 from ms_data import Corpus, NodeLoader, PackedDataset, get_tokenizer
 from ms_optim import Lamb, ShardMap, lamb_param_groups
 from ms_parallel import OptimizerFactory, ShardSpec, StepEngine
-from ms_train import _lock, _saves, _stop, report
+from ms_train import _health, _lock, _saves, _stop, report
 from ms_train._data_errors import damaged_data
 from ms_train._eval import HeldOutEval
 from ms_train._peak import Peak, PeakSource, measured_peak, over_peak_warning, table_peak
@@ -271,6 +271,9 @@ class Trainer:
         lock = getattr(self, "_run_lock", None)
         if lock is not None:
             lock.release()
+        health = getattr(self, "health", None)
+        if health is not None:
+            health.stop()
         close = getattr(getattr(self, "loader", None), "close", None)
         if callable(close) and getattr(self, "_loader_owned", False):
             close()
@@ -360,7 +363,10 @@ class Trainer:
         self.evaluator = self._held_out_eval() if config.train.eval_every else None
 
         self.model = GPT(m, device=self.device)
-        self.engine = engine if engine is not None else make_engine(p, self.device)
+        # Heartbeats to an ms-health driver when the launcher named one (MS_HEALTH_URL).
+        self.health = _health.start_heartbeat()
+        on_event = None if self.health is None else self.health.on_event
+        self.engine = engine if engine is not None else make_engine(p, self.device, on_event)
         self.engine.setup(
             self.model, optimizer_groups(self.model, config.optim), optimizer_factory(config.optim)
         )
@@ -438,6 +444,13 @@ class Trainer:
         if self.rank == 0:
             self.stream.write(text + "\n")
             self.stream.flush()
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[object]:
+        """The heartbeat's phase while a block runs (checkpoint, eval), if heartbeats are
+        on: a long checkpoint is then no hang to the driver."""
+        if self.health is None:
+            return contextlib.nullcontext()
+        return self.health.phase(name)  # type: ignore[no-any-return]
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         if self.autocast_dtype is None:
@@ -579,9 +592,16 @@ class Trainer:
         t_first = t_window = time.perf_counter()
         window_steps = 0
         wait0 = self._waits()
+        hb = self.health
+        if hb is not None:
+            hb.set_phase("train")
+            progress.health = hb.summary
+        tokens_per_rank = tokens_per_step / self.world_size
         for step in range(start, total_steps):
             loss, grad_norm, lr = self.train_step(step)
             self.step = done = step + 1
+            if hb is not None:  # no sync: the sender converts the loss on its thread
+                hb.step(done, loss=loss, tokens=tokens_per_rank)
             window_steps += 1
             window_loss += loss
             logged = done == start + 1 or done % c.train.log_every == 0 or done == total_steps
@@ -609,9 +629,10 @@ class Trainer:
                 losses.append((done, mean_loss))
                 if evaluating and self.evaluator is not None:
                     t_eval = time.perf_counter()
-                    record["eval_loss"] = self.evaluator.loss(
-                        self.engine.eval_module, self._autocast
-                    )
+                    with self._phase("eval"):
+                        record["eval_loss"] = self.evaluator.loss(
+                            self.engine.eval_module, self._autocast
+                        )
                     evals.append((done, record["eval_loss"]))
                     spent = time.perf_counter() - t_eval  # not training time
                     now += spent
@@ -634,7 +655,8 @@ class Trainer:
                 # The norm is global (every rank has the same): the ranks agree to skip.
                 norm = float(grad_norm.item())
                 if math.isfinite(norm):
-                    self.saves.save(done, self._state())
+                    with self._phase("checkpoint"):
+                        self.saves.save(done, self._state())
                 else:
                     self._say(
                         f"ms-train: warning: not saving step {done}: its gradient norm is "
@@ -649,11 +671,14 @@ class Trainer:
                 progress.close()
                 if metrics is not None:
                     metrics.close()
-                raise _stop.finish(self, stop, done, self.saves.in_flight)
+                with self._phase("checkpoint"):
+                    stopped = _stop.finish(self, stop, done, self.saves.in_flight)
+                raise stopped
         stop.restore()
         t_end = time.perf_counter()  # the final checkpoint's write is not training time
         progress.close()
-        self.saves.finish(self._state)
+        with self._phase("checkpoint"):
+            self.saves.finish(self._state)
         if metrics is not None:
             metrics.close()
         if tensorboard is not None:
@@ -826,8 +851,11 @@ class Trainer:
         if self._stop is not None:
             self._stop.restore()
         try:
-            self.checkpointer.finalize()
+            with self._phase("shutdown"):
+                self.checkpointer.finalize()
         finally:
+            if self.health is not None:
+                self.health.stop()
             close = getattr(self.loader, "close", None)
             if callable(close):
                 close()

@@ -23,9 +23,11 @@ def write_train_config(
     every: int,
     width: int = 64,
     checkpoint_dir: Path | None = None,
+    micro_batch: int | None = None,
 ) -> Path:
     """Write the run's TOML to ``path`` (checkpoints every ``every`` steps, 0: at the end
-    only; under ``out_dir/ckpt`` unless ``checkpoint_dir``); returns ``path``."""
+    only; under ``out_dir/ckpt`` unless ``checkpoint_dir``; ``micro_batch`` smaller than
+    the width's for more data-parallel ranks); returns ``path``."""
     ckpt = "" if checkpoint_dir is None else f"dir = {json.dumps(str(checkpoint_dir))}\n"
     path.write_text(
         f"""[model]
@@ -38,7 +40,7 @@ window = {width // 2}
 
 [data]
 shards = {json.dumps(str(shards))}
-micro_batch = {width // 8}
+micro_batch = {width // 8 if micro_batch is None else micro_batch}
 global_batch = {width // 4}
 
 [optim]

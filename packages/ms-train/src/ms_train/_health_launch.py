@@ -1,0 +1,199 @@
+"""``ms-train --health``: the launcher's side of ms-health.
+
+One launcher of the job hosts the driver (:class:`ms_health.Driver`, in a thread of
+the launcher, with the default detectors and the :class:`ms_health.recovery.Recovery`
+policy); every launcher runs a node agent (:class:`ms_health.agent.NodeAgent`) that
+reports its node's ranks (its own child processes) and carries out the driver's
+escalations on them. The ranks get the driver's address in their environment and send
+heartbeats (``ms_train._health``). The restart after a fault is the elastic agent's
+(``--max-restarts``, 3 by default with ``--health``).
+
+Where the driver lives: on one node, the launcher's own, on a free loopback port.
+With several nodes, ``--health-endpoint HOST:PORT``: the launcher that can bind it
+hosts the driver, the others report to it (as c10d's rendezvous picks its host). The
+token is random, written to ``<train.out_dir>/health/token`` (mode 0600) by the host
+and read from there by the others (the out dir is shared by the nodes, as the
+checkpoints are), or taken from ``MS_HEALTH_TOKEN`` when that is set. The driver's
+events go to ``<train.out_dir>/health/events.jsonl`` and its learned state to
+``driver-state.json`` beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from ms_train import _procs
+from ms_train._health import INTERVAL_ENV
+from ms_train.config import Config
+from ms_train.errors import JobError
+
+__all__ = ["HealthSide"]
+
+_INTERVAL_S = 0.5
+_TOKEN_WAIT_S = 60.0
+
+
+class HealthSide:
+    """The driver (when this launcher hosts it) and this node's agent, for one launch."""
+
+    def __init__(self, config: Config, run_id: str, *, endpoint: str | None, nnodes: int) -> None:
+        self.folder = Path(config.train.out_dir) / "health"
+        self.run_id = run_id
+        self.endpoint = endpoint
+        self.nnodes = nnodes
+        self.driver: Any = None
+        self.agent: Any = None
+        self.url = ""
+        self._token = ""
+
+    def start(self) -> dict[str, str]:
+        """Start the driver (if this launcher hosts it) and the node agent; the
+        environment the ranks need."""
+        from ms_health.agent import NodeAgent
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        host, port = _parse(self.endpoint) if self.endpoint else ("127.0.0.1", 0)
+        if self.nnodes > 1 and self.endpoint is None:
+            raise JobError("--health with --nnodes > 1 needs --health-endpoint HOST:PORT")
+        self.driver = self._host_driver(host, port)
+        if self.driver is not None:
+            self.url = self.driver.url
+        else:
+            self.url = f"http://{host}:{port}"
+            self._token = self._read_token()
+        node = f"{socket.gethostname()}/launcher-{os.getpid()}"
+        dumps = self.folder / "dumps" / f"launcher-{os.getpid()}"
+        dumps.mkdir(parents=True, exist_ok=True)
+        self.agent = NodeAgent(
+            self.url,
+            self._token,
+            job=self.run_id,
+            node=node,
+            workers=_ranks,
+            restart=_restart_round,
+            dump_dir=dumps,
+            interval_s=_INTERVAL_S,
+            # SIGTERM lets a rank save; one whose peers are gone or that is hung cannot,
+            # and the restart should not wait long for it.
+            term_timeout_s=5.0,
+        ).start()
+        return {
+            "MS_HEALTH_URL": self.url,
+            "MS_HEALTH_TOKEN": self._token,
+            "MS_HEALTH_JOB": self.run_id,
+            "MS_HEALTH_DUMP_DIR": str(dumps),
+            INTERVAL_ENV: str(_INTERVAL_S),
+        }
+
+    def stop(self) -> list[str]:
+        """Stop the agent and the driver; one line per action the driver took."""
+        if self.agent is not None:
+            self.agent.stop()
+        lines: list[str] = []
+        if self.driver is not None:
+            for event in self.driver.events():
+                if event.kind in ("finding", "diagnosis", "rollback", "recovery"):
+                    lines.append(f"ms-health: {event.message}")
+            self.driver.stop()
+        return lines
+
+    # ------------------------------------------------------------------ helpers
+
+    def _host_driver(self, host: str, port: int) -> Any:
+        """A started driver, or None when another launcher already hosts it (the
+        endpoint is in use)."""
+        from ms_health.detectors import default_detectors
+        from ms_health.driver import Driver
+        from ms_health.recovery import Recovery
+
+        token = os.environ.get("MS_HEALTH_TOKEN") or secrets.token_hex(16)
+        state = self.folder / "driver-state.json"
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            # A state is the job's own (its ranks, restart rounds, what the detectors
+            # learned); an earlier launch of this out dir was another job.
+            if json.loads(state.read_text()).get("job") != self.run_id:
+                state.unlink()
+        driver = Driver(
+            token,
+            host=host,
+            port=port,
+            job=self.run_id,
+            detectors=default_detectors(_INTERVAL_S),
+            state_path=state,
+            events_path=self.folder / "events.jsonl",
+        )
+        driver.on_finding = Recovery(driver)
+        try:
+            driver.start()
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or port == 0:
+                raise
+            return None
+        self._token = token
+        if not os.environ.get("MS_HEALTH_TOKEN"):
+            path = self.folder / "token"
+            fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"job": self.run_id, "token": token}, f)
+            os.replace(path.with_suffix(".tmp"), path)
+        return driver
+
+    def _read_token(self) -> str:
+        given = os.environ.get("MS_HEALTH_TOKEN")
+        if given:
+            return given
+        path = self.folder / "token"
+        deadline = time.monotonic() + _TOKEN_WAIT_S
+        while True:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                body = json.loads(path.read_text())
+                if body["job"] == self.run_id:
+                    return str(body["token"])
+            if time.monotonic() > deadline:
+                raise JobError(
+                    f"--health-endpoint {self.endpoint}: another launcher hosts the driver, "
+                    f"but its token did not appear in {path} within {_TOKEN_WAIT_S:g} s (is "
+                    "train.out_dir shared by the nodes? else set MS_HEALTH_TOKEN on each)"
+                )
+            time.sleep(0.1)
+
+
+def _parse(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise JobError(f"--health-endpoint must be HOST:PORT, got {endpoint!r}")
+    return host, int(port)
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    with contextlib.suppress(OSError):
+        pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return dict(p.split(b"=", 1) for p in pairs if b"=" in p)
+    return {}
+
+
+def _ranks() -> dict[int, int]:
+    """Global rank -> pid of this launcher's ranks (its children with a ``RANK``)."""
+    found: dict[int, int] = {}
+    for pid in _procs.children():
+        rank = _environ(pid).get(b"RANK")
+        if rank is not None and rank.isdigit():
+            found[int(rank)] = pid
+    return found
+
+
+def _restart_round() -> int:
+    rounds = [
+        int(value)
+        for pid in _procs.children()
+        if (value := _environ(pid).get(b"TORCHELASTIC_RESTART_COUNT", b"")).isdigit()
+    ]
+    return max(rounds, default=0)

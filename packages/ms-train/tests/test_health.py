@@ -1,0 +1,206 @@
+"""ms-health around ms-train, the hard way: 2 simulated nodes x 2 ranks (two launchers
+on localhost, c10d rendezvous, one health driver), ms-train's small model, real faults:
+
+- a rank SIGKILLed mid-run, then a NaN at a later step: the crash is detected and the
+  job restarted from the newest checkpoint; the NaN is detected at its step and the job
+  rolls back to the checkpoint before it; training completes;
+- a rank SIGSTOPped (a hang), then a rank spinning in C with the GIL held: each is
+  named as the suspect (the one that cannot answer for its stacks), ended (the stopped
+  one is gone afterwards; the spinning one only dies by SIGKILL), and the job recovers;
+- a rank slowed 1.5x: flagged as a straggler within 10 steps, no other rank flagged and
+  nothing killed.
+
+Every decision is read back from the driver's event log (``<out>/health/events.jsonl``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ms_data import build_shards
+from ms_data.build import BuildConfig
+from ms_testing.jobs import rank_processes, tag_env, wait_gone
+from ms_testing.progress import Progress
+from ms_testing.train import write_train_config
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+DEADLINE = 300.0
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import argparse
+    import textwrap
+
+    out = tmp_path_factory.mktemp("corpus") / "shards"
+    build_shards(
+        [argparse.__file__, textwrap.__file__], out, BuildConfig(tokenizer="bytes"), progress=False
+    )
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Job:
+    """Two launchers of ``_faulty_rank`` (2 ranks each) training one job."""
+
+    def __init__(self, tmp: Path, corpus: Path, steps: int, *faults: str) -> None:
+        self.out = tmp / "run"
+        self.config = write_train_config(
+            tmp / "run.toml",
+            shards=corpus,
+            out_dir=self.out,
+            steps=steps,
+            every=5,
+            width=32,
+            micro_batch=2,  # global batch 8 = 2 x 4 ranks
+        )
+        self.tag = f"health-{uuid.uuid4().hex[:8]}"
+        nodes = {
+            "nproc": 2,
+            "nnodes": 2,
+            "endpoint": f"127.0.0.1:{_free_port()}",
+            "run_id": self.tag,
+            "max_restarts": 3,
+            "health": True,
+            "health_endpoint": f"127.0.0.1:{_free_port()}",
+        }
+        path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+        env = {**tag_env(self.tag), "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+        for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            env.pop(name, None)
+        cmd = [sys.executable, "-m", "_faulty_rank", str(self.config), json.dumps(nodes)]
+        self.launchers = [
+            subprocess.Popen(
+                [*cmd, *faults],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            for _ in range(2)
+        ]
+        self.progress = Progress(self.out)
+
+    def running(self) -> bool:
+        return all(p.poll() is None for p in self.launchers)
+
+    def rank_pid(self, rank: int) -> int:
+        deadline = time.monotonic() + DEADLINE
+        while True:
+            pids = rank_processes(self.tag, module="_faulty_rank").get(rank, [])
+            if len(pids) == 1:
+                return pids[0]
+            assert time.monotonic() < deadline, f"rank {rank} not found"
+            time.sleep(0.05)
+
+    def wait_step(self, step: int) -> None:
+        self.progress.wait_for(step, DEADLINE, alive=self.running)
+
+    def finish(self) -> str:
+        outputs = []
+        try:
+            for p in self.launchers:
+                out, _ = p.communicate(timeout=DEADLINE)
+                outputs.append(out)
+        finally:
+            for p in self.launchers:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(timeout=60)
+        text = "\n".join(outputs)
+        assert [p.returncode for p in self.launchers] == [0, 0], text
+        assert not wait_gone(self.tag, timeout=60), "processes of the job were left behind"
+        return text
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.out / "health" / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def metrics_steps(self) -> list[int]:
+        lines = (self.out / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["step"] for line in lines if line.strip()]
+
+
+def _kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == kind]
+
+
+def test_a_killed_rank_and_a_nan_are_recovered(corpus: Path, tmp_path: Path) -> None:
+    steps, nan_at = 40, 27
+    job = Job(tmp_path, corpus, steps, f"nan:2:{nan_at}")
+    job.wait_step(12)
+    os.kill(job.rank_pid(3), signal.SIGKILL)
+    output = job.finish()
+    events = job.events()
+    crash = [e for e in _kinds(events, "finding") if "crash" in e["message"] and e["ranks"] == [3]]
+    assert crash, [e["message"] for e in _kinds(events, "finding")]
+    nonfinite = [
+        e["evidence"]["finding"]
+        for e in _kinds(events, "finding")
+        if e["evidence"]["finding"]["kind"] == "nonfinite"
+    ]
+    assert nonfinite and nonfinite[0]["step"] == nan_at, nonfinite
+    assert _kinds(events, "rollback"), [e["message"] for e in events]
+    # Two restarts: after the kill (from a step before 12), after the NaN (from the
+    # newest checkpoint before step 27 that committed: 25, or 20 if 25 was in flight).
+    resumed = [int(m) for m in re.findall(r"resumed from step (\d+) under", output)]
+    assert len(resumed) == 2 and resumed[0] <= 12 and nan_at - 10 < resumed[1] < nan_at, output
+    assert job.metrics_steps()[-1] == steps
+
+
+def test_a_stopped_rank_and_a_rank_holding_the_gil_are_named_and_ended(
+    corpus: Path, tmp_path: Path
+) -> None:
+    steps = 40
+    job = Job(tmp_path, corpus, steps, "gil:1:30")
+    job.wait_step(12)
+    stopped = job.rank_pid(2)
+    os.kill(stopped, signal.SIGSTOP)
+    output = job.finish()
+    events = job.events()
+    diagnoses = _kinds(events, "diagnosis")
+    assert [d["ranks"] for d in diagnoses][:2] == [[2], [1]], [d["message"] for d in diagnoses]
+    assert 2 in diagnoses[0]["evidence"]["silent"]
+    results = [e["evidence"]["result"] for e in _kinds(events, "action_result")]
+    escalations = [r["escalation"] for r in results if "escalation" in r]
+    assert escalations[0]["state"] == "T" and escalations[0]["outcome"] == "killed"
+    assert escalations[1]["outcome"] == "killed"
+    assert [s[0] for s in escalations[1]["steps"]] == ["dump", "SIGTERM", "SIGKILL"]
+    assert "train_step" in escalations[1]["dump"]  # faulthandler answered with the GIL held
+    assert not Path(f"/proc/{stopped}").exists()
+    assert job.metrics_steps()[-1] == steps, output
+
+
+def test_a_slow_rank_is_flagged_as_a_straggler_and_nothing_else(
+    corpus: Path, tmp_path: Path
+) -> None:
+    steps, slow_from = 40, 15
+    job = Job(tmp_path, corpus, steps, f"slow:3:{slow_from}:1.5")
+    job.finish()
+    events = job.events()
+    findings = [e["evidence"]["finding"] for e in _kinds(events, "finding")]
+    stragglers = [f for f in findings if f["kind"] == "straggler"]
+    assert stragglers and stragglers[0]["ranks"] == [3], findings
+    assert stragglers[0]["step"] is None or stragglers[0]["step"] <= slow_from + 10
+    assert not [f for f in findings if f["kind"] in ("crash", "hang", "nonfinite")], findings
+    assert not _kinds(events, "order")  # nothing was killed for it
