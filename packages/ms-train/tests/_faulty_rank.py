@@ -37,6 +37,7 @@ from ms_train.trainer import Trainer
 class FaultyTrainer(Trainer):
     faults: ClassVar[list[tuple[str, int, int, float]]] = []
     markers: ClassVar[Path] = Path(".")
+    _last_start: float | None = None
 
     def train_step(self, step: int) -> Any:
         done = step + 1
@@ -57,11 +58,13 @@ class FaultyTrainer(Trainer):
                             p.fill_(float("nan"))
                 else:
                     sum(range(10**15))
-        t = time.perf_counter()
-        out = super().train_step(step)
-        if slow > 1.0:
-            time.sleep((time.perf_counter() - t) * (slow - 1.0))
-        return out
+        now = time.perf_counter()
+        if slow > 1.0 and self._last_start is not None:
+            # The whole step slower, as a slower machine would be: the sleep comes before
+            # the step's compute, where its peers then wait for it in the collectives.
+            time.sleep((now - self._last_start) * (slow - 1.0) / slow)
+        self._last_start = time.perf_counter()
+        return super().train_step(step)
 
 
 def _fault(text: str) -> tuple[str, int, int, float]:

@@ -108,9 +108,10 @@ class Recovery:
             self._acted_round = None
             return False
         records = self.driver.last_records()
-        return any(
-            records.get(r) is None or records[r].restart <= self._acted_round for r in finding.ranks
-        )
+        ranks = set(records) | set(finding.ranks)
+        # Under way until every rank has reported from a newer round (a rank's last
+        # record from the old round is a dead process's).
+        return any(records.get(r) is None or records[r].restart <= self._acted_round for r in ranks)
 
     def _end_faulty(self, finding: Finding) -> None:
         if self._restarting(finding):
@@ -252,6 +253,9 @@ class Recovery:
         rounds = [rec.restart for rec in records.values()]
         self._acted_round = max(rounds, default=0)
         self._acted_at = time.monotonic()
+        # The ranks restart: what the detectors hold about the old processes (their
+        # last steps, their silence) says nothing about the new ones.
+        self.driver.reset_detectors()
 
     def _nodes_of(self, ranks: tuple[int, ...] | list[int]) -> list[str]:
         """The agents' nodes that run ``ranks`` (matched by pid, whatever each side calls

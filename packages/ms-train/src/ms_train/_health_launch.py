@@ -37,6 +37,8 @@ from ms_train.errors import JobError
 
 __all__ = ["HealthSide"]
 
+#: Heartbeat interval (``MS_HEALTH_INTERVAL`` in the launcher's environment overrides):
+#: the detectors are tuned to it. Steps much shorter than it are sampled, not all seen.
 _INTERVAL_S = 0.5
 _TOKEN_WAIT_S = 60.0
 
@@ -45,6 +47,15 @@ class HealthSide:
     """The driver (when this launcher hosts it) and this node's agent, for one launch."""
 
     def __init__(self, config: Config, run_id: str, *, endpoint: str | None, nnodes: int) -> None:
+        try:
+            self.interval_s = float(os.environ.get(INTERVAL_ENV, _INTERVAL_S))
+        except ValueError:
+            self.interval_s = -1.0
+        if not 0.01 <= self.interval_s <= 60:
+            raise JobError(
+                f"{INTERVAL_ENV} must be a number of seconds in [0.01, 60], got "
+                f"{os.environ.get(INTERVAL_ENV)!r}"
+            )
         self.folder = Path(config.train.out_dir) / "health"
         self.run_id = run_id
         self.endpoint = endpoint
@@ -80,7 +91,7 @@ class HealthSide:
             workers=_ranks,
             restart=_restart_round,
             dump_dir=dumps,
-            interval_s=_INTERVAL_S,
+            interval_s=self.interval_s,
             # SIGTERM lets a rank save; one whose peers are gone or that is hung cannot,
             # and the restart should not wait long for it.
             term_timeout_s=5.0,
@@ -90,7 +101,7 @@ class HealthSide:
             "MS_HEALTH_TOKEN": self._token,
             "MS_HEALTH_JOB": self.run_id,
             "MS_HEALTH_DUMP_DIR": str(dumps),
-            INTERVAL_ENV: str(_INTERVAL_S),
+            INTERVAL_ENV: str(self.interval_s),
         }
 
     def stop(self) -> list[str]:
@@ -114,6 +125,8 @@ class HealthSide:
         from ms_health.driver import Driver
         from ms_health.recovery import Recovery
 
+        if port and not _free(host, port):
+            return None  # another launcher hosts it; don't touch its state or events
         token = os.environ.get("MS_HEALTH_TOKEN") or secrets.token_hex(16)
         state = self.folder / "driver-state.json"
         with contextlib.suppress(OSError, ValueError, AttributeError):
@@ -126,7 +139,7 @@ class HealthSide:
             host=host,
             port=port,
             job=self.run_id,
-            detectors=default_detectors(_INTERVAL_S),
+            detectors=default_detectors(self.interval_s),
             state_path=state,
             events_path=self.folder / "events.jsonl",
         )
@@ -164,6 +177,16 @@ class HealthSide:
                     "train.out_dir shared by the nodes? else set MS_HEALTH_TOKEN on each)"
                 )
             time.sleep(0.1)
+
+
+def _free(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound now (the driver's own bind decides races)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _parse(endpoint: str) -> tuple[str, int]:

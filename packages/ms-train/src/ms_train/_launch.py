@@ -49,6 +49,7 @@ __all__ = ["launch", "launched", "run_rank"]
 
 _REPORT_DIR = "MS_TRAIN_REPORT_DIR"
 _LAUNCHER_PID = "MS_TRAIN_LAUNCHER_PID"
+_FRESH_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # After the grace period, the ranks' own teardown (loader, process group) and a step
 # longer than usual; after a second signal, the time to kill a writer and unlink.
 _TEARDOWN_S = 15.0
@@ -169,6 +170,14 @@ def launch(
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
         ours.append("OMP_NUM_THREADS")
     os.environ[_REPORT_DIR], os.environ[_LAUNCHER_PID] = str(folder), str(os.getpid())
+    if _FRESH_STORE not in os.environ:
+        # A store of its own for each rendezvous round (rank 0 hosts it), instead of the
+        # agent's one store for the job's life: there a restarted round's gloo ranks
+        # found the previous round's addresses and failed with "connectFullMesh ...
+        # Connection refused" (a per-round key prefix cannot fix it: the agents of
+        # different nodes count their restarts differently).
+        os.environ[_FRESH_STORE] = "1"
+        ours.append(_FRESH_STORE)
     run_id = nodes.run_id or uuid.uuid4().hex
     health = None
     if nodes.health:

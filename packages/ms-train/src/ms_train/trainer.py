@@ -40,6 +40,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -166,32 +167,6 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def _restart_store(timeout: datetime.timedelta) -> Any:
-    """Under torch's elastic agent, the rendezvous store of this restart round only.
-
-    The agent keeps one TCP store for the job's whole life and its workers join it with
-    no per-round prefix, so a restarted group finds the previous round's keys: gloo's
-    ranks then read the addresses of dead peers ("connectFullMesh ... Connection
-    refused") whenever they look before the new peer has written its own, and the
-    restart fails. A prefix per round (``TORCHELASTIC_RESTART_COUNT``) leaves the old
-    keys unseen. None outside the agent (``env://`` as usual).
-    """
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if restart is None or addr is None or port is None:
-        return None
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        addr,
-        int(port),
-        _env_int("WORLD_SIZE", 1),
-        is_master=not agent_hosts and _env_int("RANK", 0) == 0,
-        timeout=timeout,
-        multi_tenant=True,
-    )
-    return dist.PrefixStore(f"ms-train/restart-{restart}", store)  # type: ignore[attr-defined]
-
-
 def _resolve_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -303,18 +278,9 @@ class Trainer:
             )
             # The group's own timeout bounds every collective, also those whose
             # wait(timeout) a backend ignores (gloo's emulated reduce-scatter).
-            timeout = datetime.timedelta(seconds=config.parallel.collective_timeout_s)
-            store = _restart_store(timeout)
-            if store is None:
-                dist.init_process_group(backend, timeout=timeout)
-            else:
-                dist.init_process_group(
-                    backend,
-                    store=store,
-                    rank=_env_int("RANK", 0),
-                    world_size=world,
-                    timeout=timeout,
-                )
+            dist.init_process_group(
+                backend, timeout=datetime.timedelta(seconds=config.parallel.collective_timeout_s)
+            )
             self._owns_group = True
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -444,6 +410,21 @@ class Trainer:
         if self.rank == 0:
             self.stream.write(text + "\n")
             self.stream.flush()
+
+    @contextlib.contextmanager
+    def _waiting(self, name: str) -> Iterator[None]:
+        """Report a collective of the trainer's own (the loss mean, the stop flag) as a
+        wait to the heartbeat, as the engine reports its own: a fast rank waits there
+        for a slow one, and that wait is what tells a straggler from its peers."""
+        hb = self.health
+        if hb is None or self.world_size == 1:
+            yield
+            return
+        hb.on_event(name, "wait_begin", time.perf_counter())
+        try:
+            yield
+        finally:
+            hb.on_event(name, "wait_end", time.perf_counter())
 
     def _phase(self, name: str) -> contextlib.AbstractContextManager[object]:
         """The heartbeat's phase while a block runs (checkpoint, eval), if heartbeats are
@@ -611,7 +592,8 @@ class Trainer:
             logged = logged or evaluating
             record: dict[str, float] | None = None
             if logged:
-                mean_loss = self._global_mean(window_loss / window_steps)
+                with self._waiting("loss_mean"):
+                    mean_loss = self._global_mean(window_loss / window_steps)
                 now = time.perf_counter()
                 rate = window_steps * tokens_per_step / max(now - t_window, 1e-9)
                 waits = self._waits()
@@ -667,7 +649,9 @@ class Trainer:
                 elapsed = time.perf_counter() - t_first
                 per_step = elapsed / (done - start - 1) if done > start + 1 else math.nan
                 progress.update(done, per_step * (total_steps - done), record)
-            if stop.agreed():
+            with self._waiting("stop_flag"):
+                stopping = stop.agreed()
+            if stopping:
                 progress.close()
                 if metrics is not None:
                     metrics.close()

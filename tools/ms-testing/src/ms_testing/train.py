@@ -24,10 +24,12 @@ def write_train_config(
     width: int = 64,
     checkpoint_dir: Path | None = None,
     micro_batch: int | None = None,
+    log_every: int = 1,
 ) -> Path:
     """Write the run's TOML to ``path`` (checkpoints every ``every`` steps, 0: at the end
     only; under ``out_dir/ckpt`` unless ``checkpoint_dir``; ``micro_batch`` smaller than
-    the width's for more data-parallel ranks); returns ``path``."""
+    the width's for more data-parallel ranks; ``log_every`` > 1 for less of rank 0's own
+    work per step); returns ``path``."""
     ckpt = "" if checkpoint_dir is None else f"dir = {json.dumps(str(checkpoint_dir))}\n"
     path.write_text(
         f"""[model]
@@ -49,7 +51,7 @@ warmup_steps = 3
 [train]
 steps = {steps}
 out_dir = {json.dumps(str(out_dir))}
-log_every = 1
+log_every = {log_every}
 sample_tokens = 0
 
 [checkpoint]

@@ -65,8 +65,9 @@ def default_detectors(interval_s: float, *, world_size: int | None = None) -> li
       after 20.
     - :class:`ThroughputDrop`: below 0.7 x the median of the last 50 normal steps for
       5 consecutive steps, after 10.
-    - :class:`Straggler`: busy time above 1.25 x the peers' median in 2 consecutive
-      windows of 3 steps: a rank slowed 1.5x is flagged within 10 steps.
+    - :class:`Straggler`: busy time above 1.35 x the peers' median in 3 consecutive
+      windows of 3 steps: a rank slowed 1.5x is flagged within 10 steps, while the
+      jitter of 4 ranks sharing 2 CPU cores (up to 1.4x over two windows seen) is not.
     """
     interval = number("interval_s", interval_s, low=0.0)
     return [
@@ -75,5 +76,5 @@ def default_detectors(interval_s: float, *, world_size: int | None = None) -> li
         NonFiniteLoss(),
         LossSpike(),
         ThroughputDrop(),
-        Straggler(),
+        Straggler(threshold=1.35, windows=3),
     ]
