@@ -202,7 +202,7 @@ def test_a_stopped_rank_is_named_ended_and_the_job_recovers(corpus: Path, tmp_pa
     assert diagnoses and diagnoses[0]["ranks"] == [2], [d["message"] for d in diagnoses]
     assert diagnoses[0]["evidence"]["silent"] == [2]
     results = [e["evidence"]["result"] for e in _kinds(events, "action_result")]
-    escalation = [r["escalation"] for r in results if "escalation" in r][0]
+    escalation = next(r["escalation"] for r in results if "escalation" in r)
     assert escalation["state"] == "T" and escalation["outcome"] == "killed"
     assert not Path(f"/proc/{stopped}").exists()
     assert job.metrics_steps()[-1] == steps, output
@@ -217,7 +217,7 @@ def test_a_rank_holding_the_gil_takes_the_hard_kill_path(corpus: Path, tmp_path:
     diagnoses = _kinds(events, "diagnosis")
     assert diagnoses and diagnoses[0]["ranks"] == [1], [d["message"] for d in diagnoses]
     results = [e["evidence"]["result"] for e in _kinds(events, "action_result")]
-    escalation = [r["escalation"] for r in results if "escalation" in r][0]
+    escalation = next(r["escalation"] for r in results if "escalation" in r)
     assert escalation["outcome"] == "killed"
     assert [s[0] for s in escalation["steps"]] == ["dump", "SIGTERM", "SIGKILL"]
     assert "train_step" in escalation["dump"]  # faulthandler answered with the GIL held
