@@ -16,16 +16,9 @@ Every decision is read back from the driver's event log (``<out>/health/events.j
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +26,8 @@ import pytest
 
 from ms_data import build_shards
 from ms_data.build import BuildConfig
-from ms_testing.jobs import rank_processes, tag_env, wait_gone
+from ms_testing.faulty_train import HealthJob
+from ms_testing.jobs import wait_gone
 from ms_testing.progress import Progress
 from ms_testing.train import write_train_config
 
@@ -55,14 +49,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Job:
-    """Two launchers of ``_faulty_rank`` (2 ranks each) training one job."""
+class Job(HealthJob):
+    """Two launchers of ``ms_testing.faulty_train`` (2 ranks each) training one job."""
 
     def __init__(
         self,
@@ -73,92 +61,30 @@ class Job:
         interval_s: float = 0.5,
         width: int = 32,
         log_every: int = 1,
+        **kwargs: Any,
     ) -> None:
-        self.out = tmp / "run"
-        self.config = write_train_config(
+        config = write_train_config(
             tmp / "run.toml",
             shards=corpus,
-            out_dir=self.out,
+            out_dir=tmp / "run",
             steps=steps,
             every=5,
             width=width,
             micro_batch=width // 16,  # global batch = micro-batch x 4 ranks
             log_every=log_every,
         )
-        self.tag = f"health-{uuid.uuid4().hex[:8]}"
-        nodes = {
-            "nproc": 2,
-            "nnodes": 2,
-            "endpoint": f"127.0.0.1:{_free_port()}",
-            "run_id": self.tag,
-            "max_restarts": 3,
-            "health": True,
-            "health_endpoint": f"127.0.0.1:{_free_port()}",
-        }
-        path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
-        env = {**tag_env(self.tag), "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-        env["MS_HEALTH_INTERVAL"] = str(interval_s)
-        for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            env.pop(name, None)
-        cmd = [sys.executable, "-m", "_faulty_rank", str(self.config), json.dumps(nodes)]
-        # Output to files, not pipes: a pipe nobody reads while the other launcher is
-        # waited for fills up with a restart's tracebacks and blocks the job.
-        self.logs = [tmp / f"launcher-{i}.log" for i in range(2)]
-        self.launchers: list[subprocess.Popen[bytes]] = []
-        for log in self.logs:
-            with open(log, "wb") as out:
-                self.launchers.append(
-                    subprocess.Popen(
-                        [*cmd, *faults],
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
+        super().__init__(tmp, config, tmp / "run", faults, interval_s=interval_s, **kwargs)
         self.progress = Progress(self.out)
-
-    def running(self) -> bool:
-        return all(p.poll() is None for p in self.launchers)
-
-    def rank_pid(self, rank: int) -> int:
-        deadline = time.monotonic() + DEADLINE
-        while True:
-            pids = rank_processes(self.tag, module="_faulty_rank").get(rank, [])
-            if len(pids) == 1:
-                return pids[0]
-            assert time.monotonic() < deadline, f"rank {rank} not found"
-            time.sleep(0.05)
 
     def wait_step(self, step: int) -> None:
         self.progress.wait_for(step, DEADLINE, alive=self.running)
 
     def finish(self) -> str:
-        deadline = time.monotonic() + DEADLINE
-        while time.monotonic() < deadline and not all(p.poll() is not None for p in self.launchers):
-            time.sleep(0.1)
-        for p in self.launchers:
-            if p.poll() is None:  # stuck: ask its ranks for their stacks, then end it
-                for pids in rank_processes(self.tag, module="_faulty_rank").values():
-                    for pid in pids:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGUSR1)
-                time.sleep(2)
-                os.killpg(p.pid, signal.SIGKILL)
-        for p in self.launchers:
-            p.wait(timeout=60)
-        text = "\n".join(log.read_text("utf-8", "replace") for log in self.logs)
-        assert [p.returncode for p in self.launchers] == [0, 0], text
+        codes = self.wait(DEADLINE)
+        text = self.output()
+        assert codes == [0, 0], text
         assert not wait_gone(self.tag, timeout=60), "processes of the job were left behind"
         return text
-
-    def events(self) -> list[dict[str, Any]]:
-        path = self.out / "health" / "events.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-    def metrics_steps(self) -> list[int]:
-        lines = (self.out / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(line)["step"] for line in lines if line.strip()]
 
 
 def _kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -170,7 +96,7 @@ def test_a_killed_rank_and_a_nan_are_recovered(corpus: Path, tmp_path: Path) -> 
     steps, nan_at = 40, 27
     job = Job(tmp_path, corpus, steps, f"nan:2:{nan_at}")
     job.wait_step(12)
-    os.kill(job.rank_pid(3), signal.SIGKILL)
+    os.kill(job.rank_pid(3, DEADLINE), signal.SIGKILL)
     output = job.finish()
     events = job.events()
     crash = [e for e in _kinds(events, "finding") if "crash" in e["message"] and e["ranks"] == [3]]
@@ -194,7 +120,7 @@ def test_a_stopped_rank_is_named_ended_and_the_job_recovers(corpus: Path, tmp_pa
     steps = 30
     job = Job(tmp_path, corpus, steps)
     job.wait_step(12)
-    stopped = job.rank_pid(2)
+    stopped = job.rank_pid(2, DEADLINE)
     os.kill(stopped, signal.SIGSTOP)
     output = job.finish()
     events = job.events()
