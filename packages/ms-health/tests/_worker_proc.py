@@ -2,13 +2,15 @@
 the environment, a faulthandler dump file under ``MS_HEALTH_DUMP_DIR`` (what the node
 agent's escalation reads), and a loop of short steps until it is ended.
 
-    python _worker_proc.py [--nan-at K] [--hold-gil-at K]
+    python _worker_proc.py [--nan-at K] [--hold-gil-at K] [--mute-at K]
 
 ``--nan-at K``: the loss is NaN from step K on (a model that went bad stays bad).
 ``--hold-gil-at K``: at step K it enters one long C call that keeps the GIL and never
 checks for signals (``sum`` over a huge range; a backtracking regular expression would
 not do: ``re`` runs Python's signal handlers), so neither its heartbeat thread nor its
 SIGTERM handler runs again; only faulthandler (C) and SIGKILL reach it.
+``--mute-at K``: at step K its heartbeat sender thread dies (an error it does not catch)
+while the loop goes on: a monitoring fault, not a training one.
 """
 
 from __future__ import annotations
@@ -24,10 +26,15 @@ from ms_health.escalate import install_dump_handler
 from ms_health.executor import Heartbeat
 
 
+def _die(*args: object, **kwargs: object) -> None:
+    raise SystemExit  # not an Exception: the sender's guard lets it end the thread
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nan-at", type=int)
     parser.add_argument("--hold-gil-at", type=int)
+    parser.add_argument("--mute-at", type=int)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     dumps = install_dump_handler(dump_file(os.environ["MS_HEALTH_DUMP_DIR"], rank))
@@ -42,6 +49,8 @@ def main() -> None:
         while True:
             if args.hold_gil_at is not None and step == args.hold_gil_at:
                 sum(range(10**15))
+            if args.mute_at is not None and step == args.mute_at:
+                hb._send = _die  # type: ignore[method-assign]
             time.sleep(0.05)
             step += 1
             bad = args.nan_at is not None and step >= args.nan_at

@@ -142,3 +142,35 @@ def test_a_process_that_is_gone_and_bad_arguments(tmp_path: Path) -> None:
         escalate(os.getpid())
     with pytest.raises(ValueError, match="term_timeout_s must be a number >= 0 seconds"):
         escalate(proc.pid, term_timeout_s=-1)
+
+
+def test_a_dump_request_leaves_the_process_running_and_returns_only_the_new_stacks(
+    tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    from ms_health.escalate import request_dump
+
+    dump = tmp_path / "stacks.txt"
+    proc = _child(
+        """
+        def waiting_for_work():
+            print("ready", flush=True)
+            while True:
+                time.sleep(0.01)
+        waiting_for_work()
+        """,
+        dump,
+    )
+    procs.append(proc)
+    first = request_dump(proc.pid, dump)
+    second = request_dump(proc.pid, dump)
+    assert "in waiting_for_work" in first and "in waiting_for_work" in second
+    assert dump.read_text() == first + second  # each answer is that request's own
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        assert request_dump(proc.pid, dump, timeout_s=0.5) == ""  # stopped: no answer
+        assert process_state(proc.pid) == "T"
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    with pytest.raises(ValueError, match="timeout_s must be a number >= 0"):
+        request_dump(proc.pid, dump, timeout_s=-1)

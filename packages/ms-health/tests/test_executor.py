@@ -339,3 +339,25 @@ def test_the_sender_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_the_sender_thread_is_found_in_the_process_stacks_until_it_ends(
+    driver: Driver, recorder: Recorder, tmp_path: Path
+) -> None:
+    import faulthandler
+
+    from ms_health.executor import sender_in_stacks
+
+    def stacks() -> str:
+        path = tmp_path / "stacks.txt"
+        with open(path, "w") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+        return path.read_text()
+
+    hb = Heartbeat(driver.url, TOKEN, job="job", interval_s=0.05, rank=0, world_size=1)
+    assert not sender_in_stacks(stacks())
+    with hb:
+        wait_until(lambda: len(recorder.of(0)) >= 2, "two heartbeats")
+        assert sender_in_stacks(stacks())
+    assert not hb.running
+    assert not sender_in_stacks(stacks())

@@ -129,7 +129,7 @@ def test_a_stopped_rank_is_named_and_killed_and_its_peer_is_left_alone(make_job:
     diagnosis = job.wait_event("diagnosis")
     assert diagnosis["ranks"] == [1], diagnosis
     assert diagnosis["evidence"]["silent"] == [1] and diagnosis["evidence"]["answered"] == [0]
-    result = job.wait_event("action_result", "rank 1")
+    result = job.wait_event("action_result", "(escalate): rank 1")
     escalation = result["evidence"]["result"]["escalation"]
     assert escalation["state"] == "T" and escalation["outcome"] == "killed"
     assert job.procs[1].wait(timeout=DEADLINE) == -signal.SIGKILL
@@ -139,13 +139,30 @@ def test_a_stopped_rank_is_named_and_killed_and_its_peer_is_left_alone(make_job:
 
 def test_a_rank_holding_the_gil_takes_the_hard_kill_path(make_job: Any) -> None:
     job = make_job([], ["--hold-gil-at", "10"])
-    result = job.wait_event("action_result", "rank 1")
+    result = job.wait_event("action_result", "(escalate): rank 1")
     escalation = result["evidence"]["result"]["escalation"]
     assert escalation["outcome"] == "killed", escalation  # SIGTERM's handler never ran
     assert [s[0] for s in escalation["steps"]] == ["dump", "SIGTERM", "SIGKILL"]
     assert "_worker_proc.py" in escalation["dump"]  # faulthandler answered without the GIL
     assert job.procs[1].wait(timeout=DEADLINE) == -signal.SIGKILL
     assert job.procs[0].poll() is None
+
+
+def test_a_rank_that_lost_its_heartbeat_sender_is_a_monitoring_fault_and_left_alone(
+    make_job: Any,
+) -> None:
+    job = make_job([], ["--mute-at", "10"])
+    fault = job.wait_event("monitoring_fault")
+    assert fault["ranks"] == [1], fault
+    assert fault["evidence"]["pid"] == job.procs[1].pid
+    assert "_worker_proc.py" in fault["evidence"]["stacks"]  # it answered for its stacks
+    # The crash finding came first, and nothing was ordered but the stack dump.
+    assert any(e.kind == "finding" and e.ranks == (1,) for e in job.driver.events())
+    time.sleep(1.0)  # a while longer: still nothing ended
+    kinds = [(e.kind, e.evidence.get("kind")) for e in job.driver.events() if e.kind == "order"]
+    assert kinds and all(k == "dump" for _, k in kinds), kinds
+    assert not [e for e in job.driver.events() if e.kind in ("diagnosis", "rollback")]
+    assert all(p.poll() is None for p in job.procs)
 
 
 def test_a_killed_rank_is_found_gone(make_job: Any) -> None:

@@ -16,9 +16,15 @@ Every decision is read back from the driver's event log (``<out>/health/events.j
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +32,13 @@ import pytest
 
 from ms_data import build_shards
 from ms_data.build import BuildConfig
-from ms_testing.faulty_train import HealthJob
+from ms_testing.faulty_train import HealthJob, free_port
 from ms_testing.jobs import wait_gone
 from ms_testing.progress import Progress
 from ms_testing.train import write_train_config
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).parent
 DEADLINE = 300.0
 
 
@@ -176,3 +181,94 @@ def test_a_slow_rank_is_flagged_as_a_straggler_and_nothing_else(
     assert last is not None and int(last.group(1)) <= slow_from + 10, stragglers[0]
     assert not [f for f in findings if f["kind"] in ("crash", "hang", "nonfinite")], findings
     assert not _kinds(events, "order")  # nothing was killed for it
+
+
+class OutsideDriver:
+    """``ms-health driver`` as a process of its own (default detectors, the recovery
+    policy), on a fixed port with a state file, so that it can die and come back."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.token = uuid.uuid4().hex
+        self.token_file = tmp / "driver-token"
+        self.token_file.write_text(self.token)
+        self.state, self.events = tmp / "driver-state.json", tmp / "driver-events.jsonl"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = tmp / "driver.log"
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "ms_health.cli", "driver", "--port", str(self.port)]
+        cmd += ["--token-file", str(self.token_file), "--state", str(self.state)]
+        cmd += ["--events", str(self.events), "--detectors", "default", "--recovery"]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + DEADLINE
+        while b"listening on" not in self.log.read_bytes().split(b"stopped")[-1]:
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, "the driver did not start"
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=60)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+
+    def ranks(self) -> dict[int, dict[str, Any]]:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/ranks",
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return {r["rank"]: r for r in json.load(reply)["ranks"]}
+
+    def all_events(self) -> list[dict[str, Any]]:
+        lines = self.events.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+@pytest.mark.timeout(600)
+def test_no_false_alarms_a_dead_sender_a_long_checkpoint_and_a_driver_restart(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """Rank 1's heartbeat sender dies at step 8 while it trains on; every rank's
+    checkpoint of step 20 takes 10x a step; the driver is killed at step 14 and comes
+    back 2 s later on its state file. Nothing is ended, the job never restarts, and
+    the live senders report to the new driver."""
+    steps = 40
+    driver = OutsideDriver(tmp_path)
+    driver.start()
+    try:
+        job = Job(
+            tmp_path,
+            corpus,
+            steps,
+            "mute:1:8",
+            "slowsave:*:20:10",
+            health_endpoint=f"127.0.0.1:{driver.port}",
+            env={"MS_HEALTH_TOKEN": driver.token},
+        )
+        job.wait_step(14)
+        driver.kill()
+        time.sleep(2.0)
+        driver.start()
+        job.wait_step(30)
+        ranks = driver.ranks()  # the new driver hears every live sender
+        assert all(ranks[r]["heartbeats"] > 0 for r in (0, 2, 3)), ranks
+        output = job.finish()
+    finally:
+        driver.stop()
+    events = driver.all_events()
+    muted = [e for e in events if e["kind"] == "monitoring_fault"]
+    assert muted and all(e["ranks"] == [1] for e in muted), [e["message"] for e in events]
+    findings = [e["evidence"]["finding"] for e in events if e["kind"] == "finding"]
+    assert all(f["kind"] == "crash" and f["ranks"] == [1] for f in findings), findings
+    orders = [e["evidence"]["kind"] for e in events if e["kind"] == "order"]
+    assert orders and set(orders) == {"dump"}, orders  # asked for stacks, ended nothing
+    assert not [e for e in events if e["kind"] in ("diagnosis", "rollback")]
+    assert "resumed from step" not in output  # never restarted
+    assert job.metrics_steps()[-1] == steps

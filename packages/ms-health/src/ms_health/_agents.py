@@ -21,7 +21,7 @@ from ms_health.record import AgentReport
 
 __all__ = ["AgentBook", "AgentView"]
 
-ACTIONS = ("escalate", "diagnose")
+ACTIONS = ("escalate", "dump", "diagnose")
 
 
 @attrs.frozen

@@ -9,6 +9,9 @@ driver asked of it. The driver's reply hands it new actions:
   stacks through faulthandler (when the worker registered a dump file under
   ``dump_dir``), SIGTERM, SIGKILL, each wait bounded. Only a pid this node's agent
   reports as its own worker is ever signalled.
+- ``dump``: ask one worker for its stacks (faulthandler, as above) and leave it running:
+  a rank silent to the driver whose process still answers may only have lost its
+  heartbeat sender.
 - ``diagnose``: run :func:`ms_health.diagnostics.diagnose_node` on this node.
 
 Each action runs on a thread of its own, so a slow escalation never delays the
@@ -38,6 +41,10 @@ from ms_health.record import AgentReport
 __all__ = ["NodeAgent", "dump_file"]
 
 _log = logging.getLogger(__name__)
+
+# The start of a worker's stacks is what a ``dump`` action sends back: a report body must
+# stay small, and faulthandler lists each thread's newest frames first.
+_MAX_DUMP_CHARS = 20_000
 
 
 def dump_file(dump_dir: str | os.PathLike[str], rank: int) -> Path:
@@ -185,6 +192,8 @@ class NodeAgent:
         try:
             if kind == "escalate":
                 result = self._escalate(action)
+            elif kind == "dump":
+                result = self._dump(action)
             elif kind == "diagnose":
                 result = self._diagnose(action)
             else:
@@ -197,23 +206,58 @@ class NodeAgent:
             self._results.append(result)
             self.done.append(result)
 
+    def _not_mine(self, action: dict[str, Any]) -> dict[str, Any] | None:
+        """The refusal when the action's pid is not one of this node's workers: never
+        signal another process (a pid from an old heartbeat may since be anything)."""
+        pid = action.get("pid")
+        mine = dict(self.workers())
+        if isinstance(pid, int) and pid in mine.values():
+            return None
+        return {
+            "ok": False,
+            "rank": action.get("rank"),
+            "summary": f"pid {pid} is not a worker of node {self.node} (workers: {mine})",
+        }
+
+    def _dump_file(self, rank: object) -> Path | None:
+        if self.dump_dir is None or not isinstance(rank, int):
+            return None
+        candidate = dump_file(self.dump_dir, rank)
+        return candidate if candidate.exists() else None
+
+    def _dump(self, action: dict[str, Any]) -> dict[str, Any]:
+        from ms_health.escalate import process_state, request_dump
+
+        refused = self._not_mine(action)
+        if refused is not None:
+            return refused
+        rank, pid = action.get("rank"), int(action["pid"])
+        path = self._dump_file(rank)
+        state = process_state(pid)
+        if path is None:
+            text = ""
+            why = "no dump file (the worker registered no faulthandler for it)"
+        else:
+            timeout = float(action.get("timeout_s", 2.0))
+            text = request_dump(pid, path, timeout_s=timeout)
+            why = f"{len(text)} characters" if text else "no answer"
+        return {
+            "ok": bool(text),
+            "rank": rank,
+            "pid": pid,
+            "state": state,
+            "dump": text[:_MAX_DUMP_CHARS],
+            "summary": f"rank {rank} (pid {pid}, state {state}) stacks: {why}",
+        }
+
     def _escalate(self, action: dict[str, Any]) -> dict[str, Any]:
         from ms_health.escalate import escalate
 
-        rank, pid = action.get("rank"), action.get("pid")
-        mine = dict(self.workers())
-        if not isinstance(pid, int) or pid not in mine.values():
-            # Never signal a process this node does not run as a worker (a pid from an
-            # old heartbeat may since belong to anything).
-            return {
-                "ok": False,
-                "rank": rank,
-                "summary": f"pid {pid} is not a worker of node {self.node} (workers: {mine})",
-            }
-        dump = None
-        if self.dump_dir is not None and isinstance(rank, int):
-            candidate = dump_file(self.dump_dir, rank)
-            dump = candidate if candidate.exists() else None
+        refused = self._not_mine(action)
+        if refused is not None:
+            return refused
+        rank, pid = action.get("rank"), int(action["pid"])
+        dump = self._dump_file(rank)
         term = float(action.get("term_timeout_s", self.term_timeout_s))
         outcome = escalate(
             pid,

@@ -25,7 +25,14 @@ from typing import IO, Literal
 
 import attrs
 
-__all__ = ["DUMP_SIGNAL", "Escalation", "escalate", "install_dump_handler", "process_state"]
+__all__ = [
+    "DUMP_SIGNAL",
+    "Escalation",
+    "escalate",
+    "install_dump_handler",
+    "process_state",
+    "request_dump",
+]
 
 #: The signal that asks a process for its stacks (faulthandler's, not Python's handler).
 DUMP_SIGNAL = signal.SIGUSR1
@@ -148,7 +155,8 @@ def escalate(
         return result("gone")
     dump = ""
     if dump_file is not None:
-        dump = _dump(pid, Path(dump_file), dump_signal, dump_timeout_s, step)
+        step("dump")
+        dump = request_dump(pid, dump_file, timeout_s=dump_timeout_s, sig=dump_signal)
         if not _alive(pid):
             return result("exited", dump)
     for sig, outcome, wait in (
@@ -168,13 +176,23 @@ def escalate(
     return result("survived", dump)
 
 
-def _dump(pid: int, path: Path, sig: int, timeout_s: float, step: Callable[[str], None]) -> str:
-    """Signal ``pid`` for its stacks and return what it appended to ``path``."""
+def request_dump(
+    pid: int,
+    dump_file: str | os.PathLike[str],
+    *,
+    timeout_s: float = 2.0,
+    sig: int = DUMP_SIGNAL,
+) -> str:
+    """Signal ``pid`` for its stacks and return what it appended to ``dump_file`` within
+    ``timeout_s`` (empty: it could not answer, as a stopped process cannot). The
+    process is left running."""
+    if not (isinstance(timeout_s, (int, float)) and timeout_s >= 0):
+        raise ValueError(f"timeout_s must be a number >= 0 seconds, got {timeout_s!r}")
+    path = Path(dump_file)
     try:
         before = path.stat().st_size
     except OSError:
         before = 0
-    step("dump")
     try:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -43,9 +44,21 @@ from ms_health.record import (
     StackDump,
 )
 
-__all__ = ["DEFAULT_LOG_KEYWORDS", "Heartbeat"]
+__all__ = ["DEFAULT_LOG_KEYWORDS", "Heartbeat", "sender_in_stacks"]
 
 _log = logging.getLogger(__name__)
+
+# The sender thread's function as faulthandler prints it (``File ".../ms_health/
+# executor.py", line N in _sender_loop``): a process's stacks without it have no sender.
+_SENDER_FRAME = re.compile(r'File "[^"]*ms_health[/\\]executor\.py", line \d+ in _sender_loop\b')
+
+
+def sender_in_stacks(stacks: str) -> bool:
+    """Whether a process's faulthandler stacks (``ms_health.escalate.request_dump``) hold a
+    live heartbeat sender thread. A rank silent to the driver whose stacks come back
+    without one lost its monitoring, not its training."""
+    return _SENDER_FRAME.search(stacks) is not None
+
 
 #: Substrings (case-insensitive) that make a WARNING+ log line worth sending.
 DEFAULT_LOG_KEYWORDS: tuple[str, ...] = (
@@ -331,7 +344,7 @@ class Heartbeat:
             raise RuntimeError("this Heartbeat was already started; make a new one")
         logging.getLogger().addHandler(self._tap)
         self._thread = threading.Thread(
-            target=self._run, name=f"ms-health-heartbeat-{self.rank}", daemon=True
+            target=self._sender_loop, name=f"ms-health-heartbeat-{self.rank}", daemon=True
         )
         self._thread.start()
         return self
@@ -363,7 +376,7 @@ class Heartbeat:
 
     # ------------------------------------------------------------------ sender thread
 
-    def _run(self) -> None:
+    def _sender_loop(self) -> None:  # named in SENDER_FRAME: keep them in step
         failed = False
         try:
             while True:

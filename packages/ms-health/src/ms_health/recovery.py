@@ -6,7 +6,10 @@ thread, one finding at a time). Each step is an event with its evidence:
 
 - **crash** or **hang**: every rank still heard from is asked for its stacks; the
   suspects are the finding's ranks and every rank that does not answer within
-  ``dump_timeout_s`` (a stopped rank, or one spinning with the GIL held, cannot). Each
+  ``dump_timeout_s`` (a stopped rank, or one spinning with the GIL held, cannot). A
+  silent rank is also asked through its node agent (faulthandler): one whose process
+  answers without a heartbeat sender thread among its stacks is a **monitoring
+  fault**, recorded and left running, not a suspect. Each
   suspect's node agent escalates it (its faulthandler stacks, SIGTERM, SIGKILL, each
   bounded). Its elastic agent then sees a failed worker and restarts the workers of
   every node, which resume from the newest committed checkpoint. With ``diagnose``,
@@ -53,6 +56,8 @@ class Recovery:
         max_rollbacks: rollbacks for the same NaN step before the policy stops.
         settle_s: the longest the policy waits for a restart it caused before it acts
             on crash or hang findings again.
+        agent_slack_s: how much longer than ``dump_timeout_s`` a node agent's answer
+            may take (it hears of an order at its next report, answers at the one after).
     """
 
     def __init__(
@@ -65,11 +70,13 @@ class Recovery:
         blocklist: Blocklist | None = None,
         max_rollbacks: int = 2,
         settle_s: float = 120.0,
+        agent_slack_s: float = 2.0,
     ) -> None:
         for name, value in (
             ("dump_timeout_s", dump_timeout_s),
             ("action_timeout_s", action_timeout_s),
             ("settle_s", settle_s),
+            ("agent_slack_s", agent_slack_s),
         ):
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
@@ -82,6 +89,9 @@ class Recovery:
         self.blocklist = blocklist
         self.max_rollbacks = max_rollbacks
         self.settle_s = settle_s
+        self.agent_slack_s = agent_slack_s
+        # rank -> pid of ranks found to have lost their heartbeat sender
+        self._unmonitored: dict[int, int] = {}
         self._rollbacks: dict[int, int] = {}
         # The restart round the last action ended and when: findings from that round
         # are the restart's own silence.
@@ -126,11 +136,25 @@ class Recovery:
         records = self.driver.last_records()
         live = sorted(r for r, rec in records.items() if rec.status == "running")
         request = self.driver.request_dumps(live)
+        # A rank silent to the driver, and one known to have lost its sender, is asked
+        # through its node agent as well: its process may answer where its heartbeat
+        # cannot (both at once, so a real crash waits no longer).
+        probed = [
+            r
+            for r in live
+            if (finding.kind == "crash" and r in finding.ranks)
+            or self._unmonitored.get(r) == records[r].pid
+        ]
+        probes = self._order_dumps(probed, records)
         answered = self.driver.wait_dumps(request, self.dump_timeout_s)
-        silent = [r for r in live if r not in answered]
-        suspects = sorted(set(finding.ranks) | set(silent))
+        through_agent = self._wait_dumps(probes)
+        unmonitored = self._monitoring_faults(finding, records, through_agent)
+        silent = [r for r in live if r not in answered and r not in unmonitored]
+        suspects = sorted((set(finding.ranks) - unmonitored) | set(silent))
         if finding.kind == "hang" and not silent:
-            suspects = sorted(finding.ranks)
+            suspects = sorted(set(finding.ranks) - unmonitored)
+        if not suspects:
+            return  # a monitoring fault only: recorded, nothing to end
         self.driver.record_event(
             "diagnosis",
             f"{finding.kind}: suspects {suspects} (asked {live} for their stacks; "
@@ -143,6 +167,10 @@ class Recovery:
                 "silent": silent,
                 "last_ops": {str(r): d.last_op for r, d in answered.items()},
                 "steps": {str(r): rec.step for r, rec in records.items()},
+                "through_agent": {
+                    str(r): {k: v for k, v in res.items() if k != "dump"}
+                    for r, res in through_agent.items()
+                },
             },
             level=logging.WARNING,
         )
@@ -201,6 +229,85 @@ class Recovery:
             ranks=tuple(everyone),
             evidence={"ended": ended},
         )
+
+    # ------------------------------------------------------------------ monitoring
+
+    def _order_dumps(self, ranks: list[int], records: dict[int, Any]) -> dict[int, int]:
+        """Ask each rank's node agent for its stacks; rank -> action id (a rank whose
+        process no agent runs any more gets no order: it is gone)."""
+        agents = self.driver.agents()
+        orders: dict[int, int] = {}
+        for rank in ranks:
+            pid = records[rank].pid
+            node = next((n for n, view in agents.items() if pid in view.workers.values()), None)
+            if node is not None:
+                orders[rank] = self.driver.order(
+                    node, "dump", rank=rank, pid=pid, timeout_s=self.dump_timeout_s
+                )
+        return orders
+
+    def _wait_dumps(self, orders: dict[int, int]) -> dict[int, dict[str, Any]]:
+        """The agents' answers to :meth:`_order_dumps`, as far as they came in time: an
+        agent hears of an order at its next report and answers at the one after."""
+        deadline = time.monotonic() + self.dump_timeout_s + self.agent_slack_s
+        found: dict[int, dict[str, Any]] = {}
+        for rank, action_id in orders.items():
+            result = self.driver.wait_result(action_id, max(0.0, deadline - time.monotonic()))
+            if result is not None:
+                found[rank] = dict(result)
+        return found
+
+    def _monitoring_faults(
+        self,
+        finding: Finding,
+        records: dict[int, Any],
+        through_agent: dict[int, dict[str, Any]],
+    ) -> set[int]:
+        """The ranks whose silence is their monitoring's, not their training's: the
+        process answers for its stacks through its node agent (it is neither stopped nor
+        gone) and its heartbeat sender thread is not among its threads. Its peers' steps
+        go into the evidence; they decide nothing, since only a synchronous job holds its
+        peers back. A rank spinning in C with the GIL held answers as well, but its
+        sender thread is there, unable to run: it stays a suspect, as does a rank whose
+        sender lives but cannot reach the driver (from here, the two look alike)."""
+        from ms_health.executor import sender_in_stacks
+
+        now = self.driver.last_records()
+        found: set[int] = set()
+        for rank, result in through_agent.items():
+            record = records[rank]
+            stacks = str(result.get("dump") or "")
+            if not stacks or result.get("state") in (None, "T", "t", "Z"):
+                continue
+            if sender_in_stacks(stacks):
+                continue
+            peers = {
+                r: rec.step
+                for r, rec in now.items()
+                if r != rank and r not in through_agent and rec.step is not None
+            }
+            found.add(rank)
+            if self._unmonitored.get(rank) == record.pid:
+                continue  # already reported; still the same process
+            self._unmonitored[rank] = record.pid
+            self.driver.record_event(
+                "monitoring_fault",
+                f"rank {rank} (pid {record.pid}) sends no heartbeats, but its process answers "
+                "for its stacks and its heartbeat sender is not among its threads: a "
+                "monitoring fault, not a training one; it is not ended (last step "
+                f"{record.step}, its peers' {max(peers.values(), default=None)})",
+                ranks=(rank,),
+                evidence={
+                    "finding": finding.to_json(),
+                    "pid": record.pid,
+                    "state": result.get("state"),
+                    "last_step": record.step,
+                    "peer_steps": {str(r): s for r, s in peers.items()},
+                    "stacks": stacks,
+                },
+                level=logging.WARNING,
+            )
+        return found
 
     # ------------------------------------------------------------------ helpers
 

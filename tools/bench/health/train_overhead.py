@@ -1,0 +1,154 @@
+"""What ms-health costs training: ms-train's tokens/s with ``--health`` against
+``--no-health``, the same job back to back.
+
+    .venv/bin/python tools/bench/health/train_overhead.py [--reps 5] [--steps 120]
+        [--nproc 2] [--interval 0.5] [--out PATH] [--smoke]
+
+Each run is the real command, ``ms-train --preset tiny --nproc N`` (the embedded demo
+corpus), in a fresh temporary out dir, with ``train.steps=--steps``, a checkpoint only
+at the end (``checkpoint.every=0``), no sample and ``--peak-tflops 0.1`` (so no matmul
+probe runs). With ``--health`` the launcher hosts the driver (default detectors, the
+recovery policy) and a node agent, and every rank sends heartbeats every
+``--interval`` s (``MS_HEALTH_INTERVAL``), reports its steps and losses to the sender
+and its collective waits through ms-parallel's event hook: everything ms-health adds
+to a run, timers included. Without it none of that starts.
+
+The throughput is the trainer's own (``summary.json``'s ``tokens_per_s``: tokens of
+steps 2..N over the time from step 1 to the end of the loop), so start-up, the
+driver's start and the final checkpoint's write are not in it. Each repetition runs
+the two back to back, alternating which goes first; the headline is the median over
+repetitions of health / no-health within each pair (a busy moment on a shared
+machine slows both runs of a pair alike), with its min-max and the ratio of the
+medians. Target (issue 16): the cost is under 1% (ratio >= 0.99).
+
+Prints a table and writes a JSON record (machine, parameters, every run) to ``--out``
+(default ``bench-results/health_train_overhead.json``). ``--smoke``: 12 steps, one
+repetition: a check that the script works, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ms_testing.bench import machine_info
+
+TARGET_RATIO = 0.99
+ON, OFF = "--health", "--no-health"
+
+
+def run(flag: str, steps: int, nproc: int, interval: float) -> dict[str, Any]:
+    """One ``ms-train`` run; its summary's rate and the wall time of the command."""
+    with tempfile.TemporaryDirectory(prefix="ms-health-overhead-") as out:
+        cmd = [sys.executable, "-m", "ms_train.cli", "--preset", "tiny", "--nproc", str(nproc)]
+        cmd += [flag, "--peak-tflops", "0.1"]
+        for key, value in (
+            ("train.steps", steps),
+            ("train.out_dir", json.dumps(out)),
+            ("checkpoint.every", 0),
+            ("train.sample_tokens", 0),
+        ):
+            cmd += ["--set", f"{key}={value}"]
+        env = {**os.environ, "MS_HEALTH_INTERVAL": str(interval), "OMP_NUM_THREADS": "1"}
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        wall = time.perf_counter() - t0
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-4000:]}")
+        summary = json.loads((Path(out) / "summary.json").read_text())
+        events = Path(out) / "health" / "events.jsonl"
+        findings = []
+        if events.exists():
+            for line in events.read_text().splitlines():
+                event = json.loads(line)
+                if event["kind"] == "finding":
+                    findings.append(event["message"])
+        return {
+            "flag": flag,
+            "tokens_per_s": summary["tokens_per_s"],
+            "wall_s": round(wall, 3),
+            "findings": findings,
+            "progress_line": [ln for ln in done.stdout.splitlines() if "health" in ln][-1:],
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument("--out", default="bench-results/health_train_overhead.json")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.reps, args.steps = 1, 12
+    if args.reps < 1 or args.steps < 3:
+        parser.error(f"--reps must be >= 1 and --steps >= 3, got {args.reps} and {args.steps}")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_before = os.getloadavg()
+    print(
+        f"ms-train --preset tiny --nproc {args.nproc}, {args.steps} steps; {args.reps} pairs "
+        f"of {ON} / {OFF}, heartbeats every {args.interval:g} s",
+        flush=True,
+    )
+    pairs: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        order = (ON, OFF) if rep % 2 == 0 else (OFF, ON)
+        runs = {flag: run(flag, args.steps, args.nproc, args.interval) for flag in order}
+        ratio = runs[ON]["tokens_per_s"] / runs[OFF]["tokens_per_s"]
+        pairs.append({"rep": rep, "order": list(order), "runs": runs, "ratio": ratio})
+        print(
+            f"  rep {rep}: {ON} {runs[ON]['tokens_per_s']:8.0f} tok/s   {OFF} "
+            f"{runs[OFF]['tokens_per_s']:8.0f} tok/s   ratio {ratio:.4f}",
+            flush=True,
+        )
+    ratios = [p["ratio"] for p in pairs]
+    med = {f: statistics.median(p["runs"][f]["tokens_per_s"] for p in pairs) for f in (ON, OFF)}
+    ratio = statistics.median(ratios)
+    findings = [m for p in pairs for m in p["runs"][ON]["findings"]]
+    print("\n| run | tokens/s (median) | min-max |\n|---|---:|---:|")
+    for flag in (ON, OFF):
+        rates = [p["runs"][flag]["tokens_per_s"] for p in pairs]
+        print(f"| ms-train {flag} | {med[flag]:.0f} | {min(rates):.0f}-{max(rates):.0f} |")
+    print(
+        f"\nhealth / no-health, median of pairs: {ratio:.4f} (min-max {min(ratios):.4f}-"
+        f"{max(ratios):.4f}; ratio of medians {med[ON] / med[OFF]:.4f}); cost "
+        f"{(1 - ratio) * 100:.2f}% (target under {(1 - TARGET_RATIO) * 100:.0f}%: "
+        f"{'met' if ratio >= TARGET_RATIO else 'not met'}); findings in the health runs: "
+        f"{len(findings)}"
+    )
+    record = {
+        "benchmark": "health_train_overhead",
+        "started": started.isoformat(),
+        "machine": machine_info(),
+        "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
+        "params": vars(args),
+        "ratio": ratio,
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "ratio_of_medians": med[ON] / med[OFF],
+        "median_tokens_per_s": med,
+        "target_ratio": TARGET_RATIO,
+        "target_met": ratio >= TARGET_RATIO,
+        "findings": findings,
+        "pairs": pairs,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
