@@ -320,9 +320,12 @@ def analyse(
             "step": f.get("step"),
             "message": found["message"][:300],
         }
-        if f["kind"] == "hang":
-            timeouts = [v.get("timeout_s") for v in f["evidence"].get("ranks", {}).values()]
-            result["hang_finding_timeout_s"] = max((t for t in timeouts if t), default=None)
+    hang = first_finding(events, t_fault, ("hang",), rank=VICTIM)
+    if hang is not None:
+        # The timeout the hang detector applied (its saved state, read before the
+        # fault, can lag what it has learned by then).
+        shown = hang["evidence"]["finding"]["evidence"].get("ranks", {})
+        result["hang_finding_timeout_s"] = shown.get(str(VICTIM), {}).get("timeout_s")
     agent = next(((t, n, m) for t, n, m in tail.elastic if t >= t_fault - 0.001), None)
     if agent is not None:
         result["agent_log"] = {"s": rel(agent[0]), "file": agent[1], "line": agent[2][:300]}
@@ -376,10 +379,10 @@ def target(r: dict[str, Any]) -> dict[str, Any] | None:
     if r["fault"] == "kill":
         return {"what": "crash detected within 2 s", "met": latency is not None and latency <= 2.0}
     if r["fault"] == "hang":
-        timeout = r.get("hang_timeout_s")
-        bound = None if timeout is None else timeout + 2.0
+        timeout = r.get("hang_finding_timeout_s") or r.get("hang_timeout_s")
+        bound = None if timeout is None else round(timeout + 2.0, 2)
         met = latency is not None and bound is not None and latency <= bound
-        return {"what": f"hang detected within the train timeout + 2 s = {bound}", "met": met}
+        return {"what": f"hang detected within the train timeout + 2 s = {bound} s", "met": met}
     if r["fault"] == "nan":
         return {"what": "NaN detected at its step", "met": bool(r.get("nan_same_step"))}
     steps = r.get("straggler_steps")
@@ -399,12 +402,23 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(got) if got else None
 
 
-def _span(values: list[float | None]) -> str:
+def _span(values: list[Any], spec: str = ".2f") -> str:
+    """Median (min-max) of the values that are not None."""
     got = [v for v in values if v is not None]
     if not got:
         return "none"
     med = statistics.median(got)
-    return f"{med:.2f}" if len(got) == 1 else f"{med:.2f} ({min(got):.2f}-{max(got):.2f})"
+    if len(got) == 1:
+        return format(med, spec)
+    return f"{format(med, spec)} ({format(min(got), spec)}-{format(max(got), spec)})"
+
+
+def _gone(r: dict[str, Any]) -> str:
+    if r["fault"] == "slow":
+        return "n/a"
+    gone_s = r.get("faulted_process_gone_s")
+    after = "" if gone_s is None else f" after {gone_s:.2f} s"
+    return f"{r.get('faulted_process_gone')}{after}"
 
 
 def line(r: dict[str, Any]) -> str:
@@ -418,9 +432,13 @@ def line(r: dict[str, Any]) -> str:
         f"  trial {r['trial']} {r['fault']:<5} {r['candidate']:<10} {detected}",
         f"regained {_fmt(r.get('regained_s'), ' s')}",
         f"resumed from {r.get('resumed_from')}, lost {r.get('steps_lost')}",
-        f"faulted gone {r.get('faulted_process_gone')}",
+        f"faulted gone {_gone(r)}",
         f"left {len(r.get('left_behind', []))}+{r.get('cleanup_left')}",
     ]
+    if r.get("diagnosis"):
+        parts.append(f"named {r['diagnosis']['suspects']} at {r['diagnosis']['s']:.2f} s")
+    if r["fault"] == "hang" and r.get("target"):
+        parts.append(r["target"]["what"])
     if r["fault"] == "nan":
         step = None if det is None else det.get("step")
         parts.append(f"finding step {step} vs taken {r.get('fault_step')}")
@@ -457,11 +475,15 @@ def summary(trials: list[dict[str, Any]], faults: list[str], candidates: list[st
             regained = (
                 "n/a (no restart)" if fault == "slow" else _span([t.get("regained_s") for t in ok])
             )
+            gone = (
+                "n/a"
+                if fault == "slow"
+                else f"{sum(bool(t.get('faulted_process_gone')) for t in ok)}/{len(ok)}"
+            )
             rows.append(
                 f"| {fault} | {cand} | {len(det)}/{len(ts)} | {_span(list(det))} | {regained} | "
-                f"{_span([t.get('steps_lost') for t in ok])} | "
-                f"{[t.get('resumed_from') for t in ok]} | "
-                f"{sum(bool(t.get('faulted_process_gone')) for t in ok)}/{len(ok)} | "
+                f"{_span([t.get('steps_lost') for t in ok], 'g')} | "
+                f"{[t.get('resumed_from') for t in ok]} | {gone} | "
                 f"{sum(len(t.get('left_behind', [])) for t in ok)} | {met} |"
             )
     return rows

@@ -20,8 +20,9 @@ step, as ms-train's 0.5 s default gives real steps of a second or more; a heartb
 carries the last step's time only, so the straggler detector needs that).
 
 **Faults** (seeded by ``--seed``): the first ``--every`` x U(0.75, 1.25) s after the first
-metrics line, each next one as long after the one before; a kind drawn from ``--kinds``
-and a rank from all ranks, uniformly. ``kill``: SIGKILL; ``hang``: SIGSTOP; ``nan``: a
+metrics line, each next one as long after the one before; kinds in rounds of
+``--kinds`` shuffled (each kind once per round, so that a short soak still meets every
+kind), a rank drawn uniformly from all ranks. ``kill``: SIGKILL; ``hang``: SIGSTOP; ``nan``: a
 fault file (the rank poisons its weights: that step's loss is NaN); ``slow``: a fault
 file (the rank's steps take 1.5x as long for ``--slow-steps`` steps). A fault that
 falls due while the job is still recovering from the last kill, hang or NaN waits
@@ -260,6 +261,7 @@ def soak(args: argparse.Namespace, shards: Path, root: Path) -> dict[str, Any]:
         due = t0 + _gap(rng, args.every) if args.faults else float("inf")
         last = {"ranks": 0.0, "ckpt": 0.0, "driver": 0.0}
         pending: Fault | None = None  # the last restarting fault, until regained
+        bag: list[str] = []
         while (now := time.time()) < t1:
             watch.poll()
             tail.poll()
@@ -287,8 +289,11 @@ def soak(args: argparse.Namespace, shards: Path, root: Path) -> dict[str, Any]:
                 ):
                     pending = None
             if now >= due and pending is None:
-                f = Fault(len(faults), rng.choice(args.kinds), rng.randrange(ranks), planned=due)
+                if not bag:  # each kind once per round, in a random order
+                    bag = rng.sample(args.kinds, len(args.kinds))
+                f = Fault(len(faults), bag[-1], rng.randrange(ranks), planned=due)
                 if _inject(f, job, faults_dir, watch, args.slow_steps):
+                    bag.pop()
                     f.waited_s = time.time() - due
                     faults.append(f)
                     if f.kind in RESTARTING:
