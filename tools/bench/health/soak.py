@@ -19,14 +19,16 @@ with retention off (every committed step must survive), a metrics line every
 step, as ms-train's 0.5 s default gives real steps of a second or more; a heartbeat
 carries the last step's time only, so the straggler detector needs that).
 
-**Faults** (seeded by ``--seed``): the first ``--every`` x U(0.75, 1.25) s after the first
-metrics line, each next one as long after the one before; kinds in rounds of
+**Faults** (seeded by ``--seed``): the first ``--every`` x U(0.75, 1.25) s after the
+first metrics line, each next one as long after the one before; kinds in rounds of
 ``--kinds`` shuffled (each kind once per round, so that a short soak still meets every
-kind), a rank drawn uniformly from all ranks. ``kill``: SIGKILL; ``hang``: SIGSTOP; ``nan``: a
-fault file (the rank poisons its weights: that step's loss is NaN); ``slow``: a fault
-file (the rank's steps take 1.5x as long for ``--slow-steps`` steps). A fault that
+kind), a rank drawn uniformly from all ranks. ``kill``: SIGKILL; ``hang``: SIGSTOP;
+``nan``: a fault file (the rank poisons its weights: that step's loss is NaN);
+``slow``: a fault file (the rank's steps take 1.5x as long for ``--slow-steps`` steps). A fault that
 falls due while the job is still recovering from the last kill, hang or NaN waits
 until it regained progress (at most 120 s), so that each fault's times are its own.
+No fault starts after the soak's window; a recovery still under way then is watched
+to its end (at most 120 s more), outside the ETTR window.
 
 **ETTR** = productive wall time / total wall time, over ``[t0, t0 + minutes]`` where t0
 is when the first metrics line appeared (the job's first start-up is left out: it is
@@ -62,8 +64,11 @@ inspect``: manifest and every record's checksum). Lost = seen but missing or dam
 
 **False alarms** (``--no-faults --contention``, or any run): ``finding`` events of kind
 crash, hang, nonfinite or straggler and ``order``/``rollback`` events with no fault
-to explain them (target 0). ``--contention`` runs ``--burners`` Python busy loops
-beside the job for the whole soak, at the job's own priority (under ``nice``, both).
+to explain them (target 0). A fault explains what comes from when it was applied to
+15 s after its recovery (a slow rank: after its last slow step). Loss-spike and
+throughput findings are counted, not judged. ``--contention`` runs ``--burners`` Python
+busy loops beside the job for the whole soak, at the job's own priority (under
+``nice``, both).
 
 Also measured once at the end: a bare ``import torch, ms_train.trainer`` in a fresh
 process, the share of a relaunch that only an in-process restart avoids.
