@@ -56,8 +56,9 @@ stays NaN; nothing is detected). torchrun and a slow rank: not run, nothing in t
 looks at step times.
 
 Targets (issue 16), for ms-health: a crash detected within 2 s; a hang within the
-``train`` phase's hang timeout + 2 s (the timeout the driver had learned when the fault
-came, computed from its saved state); a NaN at its step; a straggler within 10 steps.
+``train`` phase's hang timeout + 2 s (the timeout the hang finding about rank 1 says it
+applied; without one, the timeout the driver's saved state held before the fault, which
+can lag what it has learned); a NaN at its step; a straggler within 10 steps.
 And no slower than torchrun to regain progress after a crash. Prints a table and
 writes a JSON record (machine info, parameters, every trial) to ``--out`` (default
 ``bench-results/health/recovery.json``). ``--smoke``: the kill fault only (unless
