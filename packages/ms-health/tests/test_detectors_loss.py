@@ -210,7 +210,7 @@ def test_the_history_survives_a_driver_restart_and_a_job_rollback() -> None:
     det = LossSpike()
     feed(det, range(60), curve)
     saved = json.loads(json.dumps(det.state_dict()))
-    assert saved["version"] == 1 and len(saved["history"]) == 50
+    assert saved["version"] == 2 and len(saved["history"]) == len(saved["spread"]) == 50
     restarted = LossSpike()
     restarted.load_state_dict(saved)
     # No warm-up again: the first spike after the restart is seen.
@@ -227,6 +227,27 @@ def test_a_rollback_seen_without_reset_starts_counting_over() -> None:
     feed(det, range(60), curve)
     found = feed(det, range(30, 45), lambda s, r: 20.0 if s == 40 else curve(s, r), pid=300)
     assert [f.step for f in found[40]] == [40]
+
+
+def test_batch_to_batch_noise_between_ranks_is_no_spike_and_a_spike_still_is() -> None:
+    """Each rank's batch is easier or harder than its peers' (sigma 0.1 around a flat
+    3.0): the medians over ranks move far less, so a scale from them alone would call
+    a rank 3 sigma off a spike; the spread across ranks is part of the noise."""
+
+    def noisy(step: int, rank: int) -> float:
+        return 3.0 + random.Random(step * 131 + rank).gauss(0.0, 0.1)
+
+    det = LossSpike()
+    found = feed(det, range(300), noisy)
+    assert all(not f for f in found.values()), [f for f in found.values() if f]
+    found = feed(det, range(300, 303), lambda s, r: 6.0 if (s, r) == (301, 2) else noisy(s, r))
+    assert [(f.step, f.ranks) for f in found[301]] == [(301, (2,))]
+
+
+def test_a_version_1_state_loads_without_the_spread() -> None:
+    det = LossSpike(warmup=5)
+    det.load_state_dict({"version": 1, "detector": "LossSpike", "history": [3.0] * 10})
+    assert det.state_dict()["spread"] == [] and len(det.state_dict()["history"]) == 10
 
 
 def test_a_longer_saved_history_keeps_its_latest_steps() -> None:
@@ -248,6 +269,11 @@ def test_a_longer_saved_history_keeps_its_latest_steps() -> None:
         (
             {"version": 1, "detector": "LossSpike", "history": [float("nan")]},
             r"state\['history'\]\[0\] must be a finite number",
+        ),
+        ({"version": 2, "detector": "LossSpike", "history": []}, r"state\['spread'\] is missing"),
+        (
+            {"version": 2, "detector": "LossSpike", "history": [], "spread": [[0.1], [-1.0]]},
+            r"state\['spread'\]\[1\] must be a list of finite numbers",
         ),
     ],
 )

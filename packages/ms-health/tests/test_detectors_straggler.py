@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ms_health.detectors import Straggler
 from ms_health.findings import Finding
-from ms_health.record import HeartbeatRecord
+from ms_health.record import HeartbeatRecord, parse_heartbeat
 
 BASE = HeartbeatRecord(
     job="job",
@@ -256,3 +256,35 @@ def test_a_rank_slowed_1_5x_or_more_is_flagged_within_10_steps(
     )
     hit = first_finding(found)
     assert hit is not None and hit[0] - start < 10 and hit[1].ranks == (slow,)
+
+
+def _cpu_job(det: Straggler, hardware: dict[str, Any]) -> list[Finding]:
+    """Rank 2 shares its core with another process: its busy time is 2x its peers',
+    its CPU time per step the same as theirs."""
+    found: list[Finding] = []
+    for step in range(30):
+        for r in range(4):
+            busy = 0.2 if r == 2 else 0.1
+            rec = attrs.evolve(
+                BASE,
+                rank=r,
+                pid=100 + r,
+                step=step,
+                step_time_s=0.21,
+                wait_s=0.21 - busy,
+                step_cpu_s=0.1,
+                hardware=hardware,
+            )
+            det.observe(parse_heartbeat(json.dumps(rec.to_json())), float(step))
+        found += det.check(step + 0.5)
+    return found
+
+
+def test_on_a_cpu_the_cpu_time_decides_and_a_descheduled_rank_is_no_straggler() -> None:
+    assert _cpu_job(Straggler(), {"cpu_model": "x"}) == []
+    # busy time alone, as on a GPU, flags it; so does measure="busy" on a CPU
+    gpu = _cpu_job(Straggler(), {"gpu_model": "H100"})
+    assert gpu and gpu[0].ranks == (2,) and gpu[0].evidence["measure"] == "auto"
+    assert _cpu_job(Straggler(measure="busy"), {"cpu_model": "x"})[0].ranks == (2,)
+    with pytest.raises(ValueError, match="measure must be one of"):
+        Straggler(measure="wall")

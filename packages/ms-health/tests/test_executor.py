@@ -361,3 +361,21 @@ def test_the_sender_thread_is_found_in_the_process_stacks_until_it_ends(
         assert sender_in_stacks(stacks())
     assert not hb.running
     assert not sender_in_stacks(stacks())
+
+
+def test_a_step_carries_the_cpu_time_of_the_loops_thread(
+    driver: Driver, recorder: Recorder
+) -> None:
+    with Heartbeat(driver.url, TOKEN, job="job", interval_s=0.05, rank=0, world_size=1) as hb:
+        hb.step(0)
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:  # a step that computes
+            pass
+        hb.step(1)
+        busy = latest(recorder, 0, "the computing step", lambda r: r.step == 1)
+        time.sleep(0.3)  # a step that waits
+        hb.step(2)
+        idle = latest(recorder, 0, "the waiting step", lambda r: r.step == 2)
+    assert busy.step_cpu_s is not None and idle.step_cpu_s is not None
+    assert busy.step_cpu_s > idle.step_cpu_s
+    assert idle.step_cpu_s < idle.step_time_s  # type: ignore[operator]

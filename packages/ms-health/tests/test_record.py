@@ -45,6 +45,7 @@ def test_a_full_heartbeat_parses_field_for_field() -> None:
         step_time_s=0.5,
         step_at=3.0,
         wait_s=0.1,
+        step_cpu_s=0.4,
         last_op={"name": "all_reduce", "kind": "wait_begin", "t": 4.0, "bytes": 8},
         mesh={"dp": 1, "tp": 0},
         hardware={"cpu_cores": 2},

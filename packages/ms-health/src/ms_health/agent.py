@@ -237,6 +237,8 @@ class NodeAgent:
         if path is None:
             text = ""
             why = "no dump file (the worker registered no faulthandler for it)"
+        elif state in ("T", "t"):
+            text, why = "", "none: it is stopped and cannot answer"
         else:
             timeout = float(action.get("timeout_s", 2.0))
             text = request_dump(pid, path, timeout_s=timeout)

@@ -39,6 +39,9 @@ DUMP_SIGNAL = signal.SIGUSR1
 
 Outcome = Literal["gone", "exited", "terminated", "killed", "survived"]
 
+# Process states of a stopped process (job control, or a tracer's stop).
+_STOPPED = ("T", "t")
+
 # How often the ladder looks at the process while it waits.
 _POLL_S = 0.02
 
@@ -113,7 +116,8 @@ def escalate(
     on_step: Callable[[str, float], None] | None = None,
 ) -> Escalation:
     """Dump (when ``dump_file`` is given), SIGTERM, then SIGKILL ``pid``, moving on when a
-    step's wait runs out; returns as soon as the process is gone.
+    step's wait runs out; returns as soon as the process is gone. A stopped process
+    (state ``T``) gets SIGKILL at once: it could neither dump nor handle SIGTERM.
 
     Args:
         pid: a process of this machine that this process may signal.
@@ -153,6 +157,18 @@ def escalate(
 
     if not _alive(pid):
         return result("gone")
+    if state in _STOPPED:
+        # A stopped process runs no handler: its dump never comes, and SIGTERM waits
+        # pending until it is continued. Only SIGKILL acts on it, at once.
+        step("SIGKILL")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return result("exited")
+        except PermissionError:
+            step("not permitted")
+            return result("survived")
+        return result("killed" if _wait_gone(pid, kill_timeout_s) else "survived")
     dump = ""
     if dump_file is not None:
         step("dump")

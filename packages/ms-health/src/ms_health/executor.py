@@ -175,6 +175,9 @@ class Heartbeat:
         self._step_time: float | None = None
         self._step_t: float | None = None  # perf_counter at the last step()
         self._clock_t: float | None = None  # start of the step now running
+        # (thread, its CPU clock) at the start of the step now running
+        self._cpu_t: tuple[int, float] | None = None
+        self._step_cpu: float | None = None
         self._window_tokens = 0.0
         self._window_s = 0.0
         self._tokens_per_s: float | None = None
@@ -248,6 +251,7 @@ class Heartbeat:
         heartbeat. A tensor loss is converted on the sender's thread, not here.
         """
         t = time.perf_counter()
+        cpu = (threading.get_ident(), time.thread_time())
         try:
             with self._lock:
                 self._step = step
@@ -259,6 +263,9 @@ class Heartbeat:
                     self._wait_last = self._wait_now
                 self._wait_now = 0.0
                 start, self._clock_t = self._clock_t, t
+                cpu_start, self._cpu_t = self._cpu_t, cpu
+                if cpu_start is not None and cpu_start[0] == cpu[0]:
+                    self._step_cpu = cpu[1] - cpu_start[1]
                 if start is not None:
                     self._step_time = t - start
                     if tokens is not None:
@@ -287,6 +294,7 @@ class Heartbeat:
             previous, self._phase = self._phase, name
             # A phase is not part of a step: the next step's clock starts here.
             self._clock_t = time.perf_counter()
+            self._cpu_t = (threading.get_ident(), time.thread_time())
         if previous != name:
             self._wake.set()
             self._new_loss.set()  # ends the sender's pause
@@ -459,6 +467,7 @@ class Heartbeat:
             losses = list(self._losses)
             self._losses.clear()
             step_time, step_t, wait = self._step_time, self._step_t, self._wait_last
+            step_cpu = self._step_cpu
             last_op, mesh = self._last_op, self._mesh
             if self._window_s > 0:
                 self._tokens_per_s = self._window_tokens / self._window_s
@@ -484,6 +493,7 @@ class Heartbeat:
             step_time_s=_as_rate(step_time),
             step_at=None if step_t is None else time.time() - (time.perf_counter() - step_t),
             wait_s=_as_rate(wait),
+            step_cpu_s=_as_rate(step_cpu),
             last_op=_as_op(last_op),
             mesh=mesh,
             hardware=self._hardware_facts(),

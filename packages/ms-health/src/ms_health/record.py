@@ -89,6 +89,10 @@ class HeartbeatRecord:
     #: takes as long as the slowest one's; the busy part, step minus wait, is what
     #: tells a straggler from the peers that wait for it.
     wait_s: float | None = None
+    #: CPU seconds the loop's thread ran during the last step (``time.thread_time``). A
+    #: rank whose cores another process shares takes longer per step without using
+    #: more CPU; a slower processor uses more.
+    step_cpu_s: float | None = None
     #: The last operation the loop entered: ``{"name", "kind", "t", ...}`` from an
     #: ``on_event`` callback (ms-parallel's collective events), or None.
     last_op: Mapping[str, Any] | None = None
@@ -158,6 +162,7 @@ def parse_heartbeat(body: bytes | str | Mapping[str, Any]) -> HeartbeatRecord:
         step_time_s=r.number("step_time_s", optional=True, low=0.0),
         step_at=r.number("step_at", optional=True),
         wait_s=r.number("wait_s", optional=True, low=0.0),
+        step_cpu_s=r.number("step_cpu_s", optional=True, low=0.0),
         last_op=r.mapping("last_op", optional=True),
         mesh=r.int_mapping("mesh"),
         hardware=r.mapping("hardware") or {},

@@ -13,7 +13,8 @@ with the ``Nodes`` of NODE_ARGS_JSON); each rank trains CONFIG with a
   step K is clean;
 - ``gil:R:K``: rank R enters, at step K and once per job, a C call that holds the GIL
   and never checks for signals (``sum`` over a huge range);
-- ``slow:R:K:F``: from step K on, rank R's steps take F times as long (it sleeps);
+- ``slow:R:K:F``: from step K on, rank R's steps take F times as long (it spins, as
+  a slower processor would compute longer);
 - ``mute:R:K``: at step K, once per job, rank R's heartbeat sender thread dies (as an
   uncaught error in it would end it) while the rank trains on;
 - ``slowsave:R:K:F``: rank R's checkpoint of step K takes F step times longer (it
@@ -143,9 +144,12 @@ class FaultyTrainer(Trainer):
         if self._last_start is not None:
             self._step_s = now - self._last_start
             if self._slow > 1.0:
-                # The whole step slower, as a slower machine would be: the sleep comes
-                # before the step's compute, where its peers then wait for it.
-                time.sleep(self._step_s * (self._slow - 1.0) / self._slow)
+                # The whole step slower, as a slower processor would be: F - 1 times the
+                # rest of the step as more CPU work (a spin, not a sleep), before the
+                # step's compute, where its peers then wait for it in the collectives.
+                end = time.perf_counter() + self._step_s * (self._slow - 1.0)
+                while time.perf_counter() < end:
+                    pass
         self._last_start = time.perf_counter()
         return super().train_step(step)
 

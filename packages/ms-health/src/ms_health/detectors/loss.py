@@ -27,6 +27,7 @@ from ms_health.record import HeartbeatRecord
 __all__ = ["LossSpike", "NonFiniteLoss"]
 
 _VERSION = 1
+_SPIKE_VERSION = 2
 #: Spikes kept open at most; a loss that diverges spikes at every step and the oldest
 #: give way (each is still returned by one check).
 _MAX_SPIKES = 16
@@ -105,12 +106,16 @@ class LossSpike:
 
     The history is the median over ranks of each of the last ``window`` steps. Once it
     holds ``warmup`` steps, each rank's loss at a new step is scored against it:
-    ``(loss - median) / scale`` with ``scale`` the history's median absolute deviation
-    scaled to a standard deviation, but at least ``rel_floor`` x |median| (a flat loss
-    curve would otherwise turn noise into spikes). A score above ``threshold`` is a
-    spike of that step; the finding names the ranks whose loss spiked and is reported
-    until a later step's loss is back below the threshold. The history is the state
-    that checkpoints.
+    ``(loss - median) / scale``. One rank's loss strays from the job's curve in two
+    ways, both noise: the curve moves from step to step, and each rank's batch is
+    easier or harder than the others' of the same step. So ``scale`` combines the
+    history's median absolute deviation with that of the ranks' losses around their
+    step's median over the same steps (each scaled to a standard deviation, added in
+    quadrature), and is at least ``rel_floor`` x |median| (a flat loss curve would
+    otherwise turn noise into spikes). A score above ``threshold`` is a spike of that
+    step; the finding names the ranks whose loss spiked and is reported until a later
+    step's loss is back below the threshold. Both histories are the state that
+    checkpoints.
     """
 
     def __init__(
@@ -130,6 +135,8 @@ class LossSpike:
             raise ValueError(f"warmup must be <= window ({self.window}), got {warmup!r}")
         self.rel_floor = number("rel_floor", rel_floor, low=0.0, strict=False)
         self._history: deque[float] = deque(maxlen=self.window)
+        # |loss - its step's median| of every rank, over the same steps as the history
+        self._spread: deque[tuple[float, ...]] = deque(maxlen=self.window)
         self._bins = StepBins()
         # step -> (median, mad, scale) of the history when the step first showed up
         self._baselines: dict[int, tuple[float, float, float] | None] = {}
@@ -160,8 +167,11 @@ class LossSpike:
         if len(self._history) < self.warmup:
             return None
         med, mad = median_mad(self._history)
+        apart = [d for step in self._spread for d in step]
+        across = median(apart) if apart else 0.0
+        noise = MAD_TO_SIGMA * math.hypot(mad, across)
         # The floor of 1e-12 keeps a loss of exactly 0 from dividing by zero.
-        return med, mad, max(MAD_TO_SIGMA * mad, self.rel_floor * abs(med), 1e-12)
+        return med, mad, max(noise, self.rel_floor * abs(med), 1e-12)
 
     def _spike(
         self,
@@ -212,6 +222,7 @@ class LossSpike:
             return
         med = median(losses)
         self._history.append(med)
+        self._spread.append(tuple(abs(v - med) for v in losses))
         if base is not None and (med - base[0]) / base[2] <= self.threshold:
             # The loss is back to normal: earlier spikes are over.
             for spiked in [s for s in self._spikes if s < step]:
@@ -233,15 +244,32 @@ class LossSpike:
             self._forget_live()
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"version", "detector", "history": [per-step median loss, oldest first]}``."""
+        """``{"version", "detector", "history": [per-step median loss, oldest first],
+        "spread": [[|rank loss - its step's median|, ...] per step]}``."""
         return {
-            "version": _VERSION,
+            "version": _SPIKE_VERSION,
             "detector": type(self).__name__,
             "history": list(self._history),
+            "spread": [list(step) for step in self._spread],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        reader = StateReader(state, type(self).__name__, _VERSION)
+        """Formats 2 and 1 (0.1.0's, without the spread: it refills as steps close)."""
+        old = isinstance(state, Mapping) and state.get("version") == 1
+        reader = StateReader(state, type(self).__name__, 1 if old else _SPIKE_VERSION)
         # A history saved with a longer window is honoured by its most recent steps.
         history = reader.numbers("history", limit=_MAX_SAVED)
+        spread: list[tuple[float, ...]] = []
+        if not old:
+            raw = reader.get("spread")
+            if not isinstance(raw, list) or len(raw) > _MAX_SAVED:
+                raise reader.bad("'spread'", f"a list of at most {_MAX_SAVED} lists", raw)
+            for i, step in enumerate(raw):
+                if not isinstance(step, list) or not all(
+                    isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d < math.inf
+                    for d in step
+                ):
+                    raise reader.bad(f"'spread'][{i}", "a list of finite numbers >= 0", step)
+                spread.append(tuple(float(d) for d in step))
         self._history = deque(history[-self.window :], maxlen=self.window)
+        self._spread = deque(spread[-self.window :], maxlen=self.window)

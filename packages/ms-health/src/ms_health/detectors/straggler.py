@@ -29,6 +29,7 @@ __all__ = ["Straggler"]
 _VERSION = 1
 _KEY = "straggler"
 _MAX_RANKS = 1_000_000
+_MEASURES = ("auto", "busy", "cpu")
 
 
 class Straggler:
@@ -40,6 +41,15 @@ class Straggler:
     collectives, so only the part not spent waiting tells the straggler apart. Where a
     heartbeat has no ``wait_s``, its step time is used (which then only separates
     ranks that do not wait for each other). Only phase ``train`` counts.
+
+    ``measure`` picks the figure: ``"busy"`` (the above), ``"cpu"`` (``step_cpu_s``,
+    the CPU time of the loop's thread per step), or ``"auto"`` (the default): the CPU
+    time for a rank that trains on the CPU (its heartbeat names no GPU and carries
+    ``step_cpu_s``), else busy time. On a CPU, wall-clock busy time also counts the
+    time the rank waited for a core that another process held, which moves from rank
+    to rank as the scheduler places them; its CPU time does not, while a slower
+    processor, or more work, shows in both. On a GPU the kernels' time is not the
+    thread's CPU time, so busy time it is.
 
     Per window, a rank's figure is the median of the busy times it reported in the
     window (one slow step of three does not move it); its score is that figure over
@@ -60,9 +70,13 @@ class Straggler:
         windows: int = 2,
         threshold: float = 1.25,
         min_excess_s: float = 0.001,
+        measure: str = "auto",
         name: str = "straggler",
     ) -> None:
         self.name = detector_name(name)
+        if measure not in _MEASURES:
+            raise ValueError(f"measure must be one of {_MEASURES}, got {measure!r}")
+        self.measure = measure
         self.window_steps = integer("window_steps", window_steps, low=1)
         self.windows = integer("windows", windows, low=1)
         self.threshold = number("threshold", threshold, low=1.0)
@@ -87,12 +101,22 @@ class Straggler:
     def observe(self, record: HeartbeatRecord, now: float) -> None:
         if record.phase != "train" or record.step is None or record.step_time_s is None:
             return
-        busy = max(0.0, record.step_time_s - (record.wait_s or 0.0))
+        busy = self._figure(record)
+        if busy is None:
+            return
         added = self._bins.add(record.rank, record.pid, record.step, busy)
         if added.rewound:
             self._forget_live()
         for window, per_rank in added.closed:
             self._judge(window, per_rank, now)
+
+    def _figure(self, record: HeartbeatRecord) -> float | None:
+        """The rank's figure for its last step under :attr:`measure`."""
+        on_cpu = record.step_cpu_s is not None and "gpu_model" not in record.hardware
+        if self.measure == "cpu" or (self.measure == "auto" and on_cpu):
+            return record.step_cpu_s
+        assert record.step_time_s is not None
+        return max(0.0, record.step_time_s - (record.wait_s or 0.0))
 
     def _judge(self, window: int, per_rank: Mapping[int, Sequence[float]], now: float) -> None:
         figures = {rank: median(v) for rank, v in per_rank.items() if v}
@@ -125,7 +149,8 @@ class Straggler:
                 kind="straggler",
                 ranks=tuple(flagged),
                 message=(
-                    f"rank(s) {shown} busier per step than their peers' median in "
+                    f"rank(s) {shown} busier per step ({self.measure} time) than their "
+                    "peers' median in "
                     f"{self.windows}+ consecutive windows of {self.window_steps} steps, "
                     f"last steps {first}-{last} (threshold {self.threshold:g}x)"
                 ),
@@ -134,6 +159,7 @@ class Straggler:
                     "threshold": self.threshold,
                     "windows": self.windows,
                     "window_steps": self.window_steps,
+                    "measure": self.measure,
                     "scores": listed({r: round(s, 4) for r, s in scores.items()}, by_score),
                     "busy_s": listed({r: round(figures[r], 6) for r in flagged if r in figures}),
                     "peer_median_s": listed({r: round(peers[r], 6) for r in flagged if r in peers}),
