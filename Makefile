@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 DIST ?= dist
 BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health clean
+.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health bench-health-overhead bench-health-recovery bench-health-soak clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -111,6 +111,20 @@ bench-parallel-memory: $(STAMP)
 # no-op floors, and the sender thread's CPU per heartbeat (issue 16).
 bench-health: $(STAMP)
 	$(BIN)/python tools/bench/health/sender_overhead.py --reps 7
+
+# ms-train's tokens/s with --health against --no-health, 2 ranks, paired (issue 16).
+bench-health-overhead: $(STAMP)
+	$(BIN)/python tools/bench/health/train_overhead.py --reps 5
+
+# Each fault class once, ms-health beside plain torchrun --max-restarts (about 10 min).
+bench-health-recovery: $(STAMP)
+	$(BIN)/python tools/bench/health/recovery.py
+
+# The chaos soak (10 min, a fault about every 2 min, ETTR), then the false-alarm soak
+# (10 min, no fault, two CPU hogs beside the job).
+bench-health-soak: $(STAMP)
+	$(BIN)/python tools/bench/health/soak.py
+	$(BIN)/python tools/bench/health/soak.py --no-faults --contention
 
 # Random SIGKILLs of a 2-rank job across saves, reruns, leftovers (issue 14's soak).
 bench-kill-soak: $(STAMP)
