@@ -136,14 +136,12 @@ class Recovery:
         records = self.driver.last_records()
         live = sorted(r for r, rec in records.items() if rec.status == "running")
         request = self.driver.request_dumps(live)
-        # A rank silent to the driver, and one known to have lost its sender, is asked
-        # through its node agent as well: its process may answer where its heartbeat
+        # The finding's ranks, and any known to have lost its sender, are asked through
+        # their node agents as well (a dead sender looks like a crash, and like a hang
+        # to the step-progress detector): its process may answer where its heartbeat
         # cannot (both at once, so a real crash waits no longer).
         probed = [
-            r
-            for r in live
-            if (finding.kind == "crash" and r in finding.ranks)
-            or self._unmonitored.get(r) == records[r].pid
+            r for r in live if r in finding.ranks or self._unmonitored.get(r) == records[r].pid
         ]
         probes = self._order_dumps(probed, records)
         answered = self.driver.wait_dumps(request, self.dump_timeout_s)
