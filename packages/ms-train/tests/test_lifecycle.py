@@ -219,7 +219,9 @@ def test_sigkill_of_the_launcher_leaves_nothing(corpus: Path, tmp_path: Path, ta
 @pytest.mark.parametrize(
     ("sig", "when"),
     [
-        pytest.param(signal.SIGINT, "mid-step", id="SIGINT-mid-step"),
+        # No SIGINT mid-step: SIGINT reaches every process of the group (ranks, loader
+        # readers) at once, and mid-save it does so with the writers busy as well, a
+        # superset; once the ranks have it, mid-step takes SIGTERM's path.
         pytest.param(signal.SIGTERM, "mid-step", id="SIGTERM-mid-step"),
         pytest.param(signal.SIGINT, "mid-save", id="SIGINT-mid-save"),
         pytest.param(signal.SIGTERM, "mid-save", id="SIGTERM-mid-save"),

@@ -288,6 +288,10 @@ class Recovery:
             if self._unmonitored.get(rank) == record.pid:
                 continue  # already reported; still the same process
             self._unmonitored[rank] = record.pid
+            # The detectors forget its stale last heartbeat: left there, the rank would
+            # look ever further behind, and a later hang of its peers would be pinned on
+            # it. It is asked through its agent whenever the policy asks for stacks.
+            self.driver.reset_detectors((rank,))
             self.driver.record_event(
                 "monitoring_fault",
                 f"rank {rank} (pid {record.pid}) sends no heartbeats, but its process answers "
