@@ -501,7 +501,10 @@ def test_restart_after_sigkill_removes_stale_segments(corpus_dir: Path) -> None:
 
 
 CHILD = """
-import json, sys, time
+import json, signal, sys, time
+# As a process started from a terminal has it, whatever this test inherited (a shell
+# starts background jobs with SIGINT ignored, and Python keeps that).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from ms_data.dataset import PackedDataset
 from ms_data.node_loader import NodeLoader
 from ms_data.shard import Corpus

@@ -119,7 +119,8 @@ def uninterrupted():
 @pytest.mark.parametrize(
     ("before", "after"),
     [
-        ((2, 1), (2, 0)),
+        # Fewer replicated chunks (2 -> 1) and more (1 -> 3), each with another DP size,
+        # and more at the same DP size, where only the replicated count changes.
         ((2, 0), (2, 1)),
         ((2, 2), (4, 1)),  # and another DP size
         ((4, 1), (1, 3)),  # into one process

@@ -127,7 +127,7 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(corpus: Path, tmp_path:
     """2 ranks through torchrun; the whole job (launcher and ranks) is SIGKILLed mid-run
     once a checkpoint has committed; the rerun resumes from the newest committed one and
     every loss equals the uninterrupted run's, bit for bit."""
-    steps, every, kill_after = 160, 10, 15
+    steps, every, kill_after = 60, 10, 15
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     for out in (whole, cut):
