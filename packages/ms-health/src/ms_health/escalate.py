@@ -157,28 +157,21 @@ def escalate(
 
     if not _alive(pid):
         return result("gone")
+    ladder: list[tuple[int, Outcome, float]] = [
+        (signal.SIGTERM, "terminated", term_timeout_s),
+        (signal.SIGKILL, "killed", kill_timeout_s),
+    ]
+    dump = ""
     if state in _STOPPED:
         # A stopped process runs no handler: its dump never comes, and SIGTERM waits
         # pending until it is continued. Only SIGKILL acts on it, at once.
-        step("SIGKILL")
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return result("exited")
-        except PermissionError:
-            step("not permitted")
-            return result("survived")
-        return result("killed" if _wait_gone(pid, kill_timeout_s) else "survived")
-    dump = ""
-    if dump_file is not None:
+        ladder = ladder[1:]
+    elif dump_file is not None:
         step("dump")
         dump = request_dump(pid, dump_file, timeout_s=dump_timeout_s, sig=dump_signal)
         if not _alive(pid):
             return result("exited", dump)
-    for sig, outcome, wait in (
-        (signal.SIGTERM, "terminated", term_timeout_s),
-        (signal.SIGKILL, "killed", kill_timeout_s),
-    ):
+    for sig, outcome, wait in ladder:
         step(signal.Signals(sig).name)
         try:
             os.kill(pid, sig)
@@ -188,7 +181,7 @@ def escalate(
             step("not permitted")
             return result("survived", dump)
         if _wait_gone(pid, wait):
-            return result(outcome, dump)  # type: ignore[arg-type]
+            return result(outcome, dump)
     return result("survived", dump)
 
 
