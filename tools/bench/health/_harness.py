@@ -38,8 +38,8 @@ from typing import Any
 
 from ms_data import build_shards
 from ms_data.build import BuildConfig
-from ms_testing.faulty_train import MODULE
-from ms_testing.jobs import rank_processes, tag_env, tagged_processes
+from ms_testing.faulty_train import MODULE, Job
+from ms_testing.jobs import tag_env, tagged_processes
 from ms_testing.train import write_train_config
 
 __all__ = [
@@ -117,7 +117,7 @@ def job_config(
     return path
 
 
-class TorchrunJob:
+class TorchrunJob(Job):
     """``nnodes`` ``torch.distributed.run`` agents on localhost (``--max-restarts``,
     c10d rendezvous), each running ``nproc`` ranks of ``ms_testing.faulty_train``
     (plain ms-train ranks that also take file faults); no ms-health. The interface is
@@ -159,36 +159,6 @@ class TorchrunJob:
                         cmd, env=full, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
                     )
                 )
-
-    def running(self) -> bool:
-        return all(p.poll() is None for p in self.launchers)
-
-    def rank_pids(self) -> dict[int, list[int]]:
-        return rank_processes(self.tag, module=MODULE)
-
-    def rank_pid(self, rank: int, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        while True:
-            pids = self.rank_pids().get(rank, [])
-            if len(pids) == 1:
-                return pids[0]
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank}: no single live process in {timeout:g} s: {pids}")
-            time.sleep(0.05)
-
-    def events(self) -> list[dict[str, Any]]:
-        return []  # no driver
-
-    def kill(self) -> None:
-        for p in self.launchers:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-        for pid in tagged_processes(self.tag):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for p in self.launchers:
-            p.wait(timeout=60)
 
 
 # ---------------------------------------------------------------------- faults

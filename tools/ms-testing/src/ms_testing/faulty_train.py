@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 
 from ms_train.trainer import Trainer
 
-__all__ = ["FAULTS_ENV", "MODULE", "FaultyTrainer", "HealthJob", "parse_fault"]
+__all__ = ["FAULTS_ENV", "MODULE", "FaultyTrainer", "HealthJob", "Job", "parse_fault"]
 
 #: The module the job's launchers and ranks run (for ``rank_processes``).
 MODULE = "ms_testing.faulty_train"
@@ -202,60 +202,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class HealthJob:
-    """``nnodes`` launchers of this module (``nproc`` ranks each) training one job under
-    ``ms-train --health`` on localhost, their output in files under ``folder``.
+class Job:
+    """A job of launcher processes on localhost training ``out`` (its train.out_dir),
+    found by ``tag`` (``ms_testing.jobs``); ``launchers`` write into ``logs``. Subclasses
+    start them (:class:`HealthJob` here, the benchmarks' plain torchrun job)."""
 
-    ``config``: a training config (``ms_testing.train.write_train_config``);
-    ``faults``: FAULT strings for every rank; ``interval_s``: the heartbeat interval;
-    ``health_endpoint``: the driver's address (default: a free port, hosted by a
-    launcher); ``env``: more environment for the launchers (``MS_HEALTH_TOKEN`` for an
-    outside driver, ``MS_FAULTS_DIR``).
-    """
-
-    def __init__(
-        self,
-        folder: Path,
-        config: Path,
-        out_dir: Path,
-        faults: Sequence[str] = (),
-        *,
-        nnodes: int = 2,
-        nproc: int = 2,
-        interval_s: float = 0.5,
-        max_restarts: int = 3,
-        health_endpoint: str | None = None,
-        env: dict[str, str] | None = None,
-    ) -> None:
-        from ms_testing.jobs import tag_env
-
-        self.out = out_dir
-        self.tag = f"health-{uuid.uuid4().hex[:8]}"
-        nodes = {
-            "nproc": nproc,
-            "nnodes": nnodes,
-            "endpoint": f"127.0.0.1:{free_port()}",
-            "run_id": self.tag,
-            "max_restarts": max_restarts,
-            "health": True,
-            "health_endpoint": health_endpoint or f"127.0.0.1:{free_port()}",
-        }
-        full = {**tag_env(self.tag), "OMP_NUM_THREADS": "1", "MS_HEALTH_INTERVAL": str(interval_s)}
-        full.update(env or {})
-        for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            full.pop(name, None)
-        cmd = [sys.executable, "-m", MODULE, str(config), json.dumps(nodes), *faults]
-        # Output to files, not pipes: a pipe nobody reads while another launcher is
-        # waited for fills up with a restart's tracebacks and blocks the job.
-        self.logs = [folder / f"launcher-{i}.log" for i in range(nnodes)]
-        self.launchers: list[subprocess.Popen[bytes]] = []
-        for log in self.logs:
-            with open(log, "wb") as out:
-                self.launchers.append(
-                    subprocess.Popen(
-                        cmd, env=full, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                    )
-                )
+    out: Path
+    tag: str
+    logs: list[Path]
+    launchers: list[subprocess.Popen[bytes]]
 
     def running(self) -> bool:
         return all(p.poll() is None for p in self.launchers)
@@ -311,16 +266,76 @@ class HealthJob:
         for p in self.launchers:
             p.wait(timeout=60)
 
+    def metrics_steps(self) -> list[int]:
+        lines = (self.out / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["step"] for line in lines if line.strip()]
+
+    def events(self) -> list[dict[str, Any]]:
+        """The health driver's events (none without one)."""
+        return []
+
+
+class HealthJob(Job):
+    """``nnodes`` launchers of this module (``nproc`` ranks each) training one job under
+    ``ms-train --health`` on localhost, their output in files under ``folder``.
+
+    ``config``: a training config (``ms_testing.train.write_train_config``);
+    ``faults``: FAULT strings for every rank; ``interval_s``: the heartbeat interval;
+    ``health_endpoint``: the driver's address (default: a free port, hosted by a
+    launcher); ``env``: more environment for the launchers (``MS_HEALTH_TOKEN`` for an
+    outside driver, ``MS_FAULTS_DIR``).
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        config: Path,
+        out_dir: Path,
+        faults: Sequence[str] = (),
+        *,
+        nnodes: int = 2,
+        nproc: int = 2,
+        interval_s: float = 0.5,
+        max_restarts: int = 3,
+        health_endpoint: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        from ms_testing.jobs import tag_env
+
+        self.out = out_dir
+        self.tag = f"health-{uuid.uuid4().hex[:8]}"
+        nodes = {
+            "nproc": nproc,
+            "nnodes": nnodes,
+            "endpoint": f"127.0.0.1:{free_port()}",
+            "run_id": self.tag,
+            "max_restarts": max_restarts,
+            "health": True,
+            "health_endpoint": health_endpoint or f"127.0.0.1:{free_port()}",
+        }
+        full = {**tag_env(self.tag), "OMP_NUM_THREADS": "1", "MS_HEALTH_INTERVAL": str(interval_s)}
+        full.update(env or {})
+        for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            full.pop(name, None)
+        cmd = [sys.executable, "-m", MODULE, str(config), json.dumps(nodes), *faults]
+        # Output to files, not pipes: a pipe nobody reads while another launcher is
+        # waited for fills up with a restart's tracebacks and blocks the job.
+        self.logs = [folder / f"launcher-{i}.log" for i in range(nnodes)]
+        self.launchers: list[subprocess.Popen[bytes]] = []
+        for log in self.logs:
+            with open(log, "wb") as out:
+                self.launchers.append(
+                    subprocess.Popen(
+                        cmd, env=full, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                )
+
     def events(self) -> list[dict[str, Any]]:
         """The driver's events (a launcher-hosted driver's file)."""
         path = self.out / "health" / "events.jsonl"
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-    def metrics_steps(self) -> list[int]:
-        lines = (self.out / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(line)["step"] for line in lines if line.strip()]
 
 
 if __name__ == "__main__":
