@@ -314,3 +314,33 @@ def test_timeouts_are_never_below_the_floor_and_follow_the_longest_interval(
         det.observe(attrs.evolve(BASE, phase=p, step=1), 0.0)
         assert det.check(timeout) == []
         assert [f.ranks for f in det.check(timeout + 0.01)] == [(0,)]
+
+
+def test_a_restarted_process_first_seen_in_train_is_still_in_its_first_steps() -> None:
+    # The launcher restarts the ranks before the driver resets them: the new processes
+    # are past init by the first heartbeat it keeps, and their first step waits 30 s for
+    # a peer that loads slower. That is no hang; a hang after it is.
+    sim = started(Hang())
+    sim.det.reset()
+    sim.set(pid=999, phase="train", step=40)
+    assert sim.advance(30.0) == []
+    assert sim.train(10) == []
+    assert sim.det.longest_s["train"] == 1.0
+    assert sim.advance(5.5), "after the first steps a hang is seen at the learned timeout"
+
+
+def test_a_new_process_replacing_a_known_one_mid_training_is_in_its_first_steps() -> None:
+    sim = started(Hang())
+    sim.advance(4.0)
+    sim.set(pid=4242, step=50)  # restarted without a reset, already training
+    assert sim.advance(30.0) == []
+    assert sim.train(3) == []
+    assert sim.advance(5.5)
+
+
+def test_a_driver_restart_seeing_ranks_mid_training_gives_them_no_warm_up() -> None:
+    sim = started(Hang())
+    sim.det = Hang()  # a new driver: it learned nothing and reset nothing
+    sim.det.load_state_dict({"version": 1, "detector": "Hang", "longest_s": {"train": 1.0}})
+    assert sim.train(2) == []
+    assert sim.advance(5.5), "a rank seen mid-training is judged at the learned timeout"

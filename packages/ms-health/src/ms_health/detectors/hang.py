@@ -75,7 +75,8 @@ class Hang:
     depends on things outside the job (storage, the scheduler, other nodes starting
     up; a restart loads a checkpoint that the first start-up did not), and a false
     alarm there costs a restart, while a hang there is rare. The first
-    ``warmup_steps`` steps of a process first seen in ``init`` or without a step carry
+    ``warmup_steps`` steps of a new process (first seen in ``init``, without a step,
+    replacing an earlier process of its rank, or first seen after :meth:`reset`) carry
     one-time costs (compilation, allocator and cache warm-up): they are judged against
     the ``train`` start value (or the learned timeout if longer) and not learned, so
     that one slow first step does not stretch every later timeout. The learned
@@ -121,6 +122,10 @@ class Hang:
         self.keep_start = frozenset(keep_start)
         self._longest: dict[str, float] = {}
         self._ranks: dict[int, _Rank] = {}
+        #: Ranks reset since their last heartbeat (all of them once every rank was):
+        #: the next process seen there is a new one.
+        self._reset: set[int] = set()
+        self._reset_all = False
 
     # -- what was learned ------------------------------------------------------------
 
@@ -157,7 +162,19 @@ class Hang:
     def observe(self, record: HeartbeatRecord, now: float) -> None:
         r = self._ranks.get(record.rank)
         if r is None or r.pid != record.pid or r.restart != record.restart:
-            fresh = record.phase == "init" or record.step is None
+            # A process is in its first steps when it says so (init, no step yet), when
+            # it replaces a process seen before, or when it is the first seen after a
+            # reset (the restarted process may have passed init before the driver
+            # reset its rank, and its first steps wait for peers that load slower). A
+            # process first seen mid-training otherwise (the driver restarted) is not.
+            fresh = (
+                record.phase == "init"
+                or record.step is None
+                or r is not None
+                or self._reset_all
+                or record.rank in self._reset
+            )
+            self._reset.discard(record.rank)
             self._ranks[record.rank] = _Rank(
                 pid=record.pid,
                 restart=record.restart,
@@ -251,8 +268,10 @@ class Hang:
         chosen = rank_set(ranks)
         if chosen is None:
             self._ranks.clear()
+            self._reset_all = True
         for rank in chosen or ():
             self._ranks.pop(rank, None)
+            self._reset.add(rank)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"version", "detector", "longest_s": {phase: seconds}}``."""
