@@ -1,5 +1,6 @@
 """Installing ms-train the way its README says: `make dist`, then
-`pip install --find-links dist ms-train` in a fresh venv, which then trains.
+`pip install --find-links dist ms-train` in a fresh venv, which then trains; and each
+leaf's wheel installed alone into that venv (torch and nothing else there), beforehand.
 
 One fresh venv for the module: `make dist` creates it (as on a fresh clone) and
 builds the wheels once; the tests after the first reuse what it installed.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from _fresh_venv import TORCH_PIN, ms_distributions, pip, user_env
-from _workspace import PACKAGES, ROOT, imported_siblings, module_name
+from _workspace import LEAVES, PACKAGES, ROOT, imported_siblings, module_name
 from packaging.utils import canonicalize_name
 
 INSTALL = "pip install --find-links dist ms-train"
@@ -68,13 +69,20 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
 
 
 @pytest.fixture(scope="module")
-def installed(built: Built) -> Built:
+def with_torch(built: Built) -> Built:
+    """The fresh venv with the pinned torch and no ms package yet."""
     assert ms_distributions(built.python) == {}, "the fresh venv already holds ms packages"
     # Torch first, as a user picks their build; the pin keeps the one on this disk.
     # Not compiling its thousands of modules to bytecode halves this, the longest step.
     pip(built.python, "install", "--quiet", "--no-compile", TORCH_PIN)
-    pip(built.python, *INSTALL.split()[1:], "--quiet", cwd=built.home)
     return built
+
+
+@pytest.fixture(scope="module")
+def installed(with_torch: Built) -> Built:
+    assert ms_distributions(with_torch.python) == {}, "the fresh venv already holds ms packages"
+    pip(with_torch.python, *INSTALL.split()[1:], "--quiet", cwd=with_torch.home)
+    return with_torch
 
 
 def _run(built: Built, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -139,6 +147,34 @@ def test_make_dist_builds_a_wheel_and_an_sdist_of_each_package(built: Built) -> 
         sdist = built.home / "dist" / f"{module_name(package)}-{_version(package)}.tar.gz"
         with tarfile.open(sdist) as tar:
             assert any(n.endswith("/README.md") for n in tar.getnames()), sdist.name
+
+
+@pytest.mark.slow
+def test_each_leaf_installs_alone_from_its_wheel(with_torch: Built) -> None:
+    # Before `installed` (module order): the venv holds torch and no ms package yet.
+    python = with_torch.python
+    assert ms_distributions(python) == {}, "the fresh venv already holds ms packages"
+    for leaf in LEAVES:
+        # The wheel's path, not its name: an index could hold another ms-* of that name.
+        # Torch pinned as the dev install does, so no leaf can pull a different build.
+        wheel = with_torch.home / "dist" / f"{module_name(leaf)}-{_version(leaf)}-py3-none-any.whl"
+        pip(python, "install", "--quiet", "--no-compile", str(wheel), TORCH_PIN)
+        installed = sorted(ms_distributions(python))
+        assert installed == [leaf], f"installing {leaf} pulled other ms packages: {installed}"
+        result = subprocess.run(
+            [str(python), "-c", f"import {module_name(leaf)} as m; print(m.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=with_torch.home,  # not the repository: nothing comes from a source tree
+            # Without the session's TRITON_INTERPRET: the interpreter needs numpy,
+            # which no leaf requires.
+            env=user_env(),
+        )
+        assert result.returncode == 0, f"import {module_name(leaf)} failed:\n{result.stderr}"
+        assert result.stdout.strip() == _version(leaf), result.stdout
+        pip(python, "uninstall", "--yes", "--quiet", leaf)
+    assert ms_distributions(python) == {}
 
 
 @pytest.mark.slow

@@ -4,10 +4,10 @@ on localhost, c10d rendezvous, one health driver), ms-train's small model, real 
 - a rank SIGKILLed mid-run, then a NaN at a later step: the crash is detected and the
   job restarted from the newest checkpoint; the NaN is detected at its step and the job
   rolls back to the checkpoint before it; training completes;
-- a rank SIGSTOPped (a hang), and (another job) a rank spinning in C with the GIL held:
-  each is named as the suspect (the one that cannot answer for its stacks), ended (the
-  stopped one is gone afterwards; the spinning one only dies by SIGKILL), and the job
-  recovers;
+- a rank SIGSTOPped (a hang), then in the same job a rank spinning in C with the GIL
+  held: each is named as the suspect (the one that cannot answer for its stacks, the
+  one that answers from inside its step), ended (the stopped one is gone afterwards;
+  the spinning one only dies by SIGKILL), and the job recovers both times;
 - a rank slowed 1.5x: flagged as a straggler within 10 steps, no other rank flagged and
   nothing killed.
 
@@ -122,37 +122,36 @@ def test_a_killed_rank_and_a_nan_are_recovered(corpus: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(600)
-def test_a_stopped_rank_is_named_ended_and_the_job_recovers(corpus: Path, tmp_path: Path) -> None:
-    steps = 30
-    job = Job(tmp_path, corpus, steps)
+def test_a_stopped_rank_then_a_rank_holding_the_gil_are_named_ended_and_recovered(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """Two hangs in one job: rank 2 SIGSTOPped after step 12, then, after that recovery,
+    rank 1 spinning in C with the GIL held from step 25 (once per job)."""
+    steps, gil_at = 40, 25
+    job = Job(tmp_path, corpus, steps, f"gil:1:{gil_at}")
     job.wait_step(12)
     stopped = job.rank_pid(2, DEADLINE)
     os.kill(stopped, signal.SIGSTOP)
     output = job.finish()
     events = job.events()
     diagnoses = _kinds(events, "diagnosis")
-    assert diagnoses and diagnoses[0]["ranks"] == [2], [d["message"] for d in diagnoses]
+    assert [d["ranks"] for d in diagnoses] == [[2], [1]], [d["message"] for d in diagnoses]
     assert diagnoses[0]["evidence"]["silent"] == [2]
     results = [e["evidence"]["result"] for e in _kinds(events, "action_result")]
-    escalation = next(r["escalation"] for r in results if "escalation" in r)
-    assert escalation["state"] == "T" and escalation["outcome"] == "killed"
+    escalations = [r["escalation"] for r in results if "escalation" in r]
+    assert len(escalations) == 2, escalations
+    halted, spinning = escalations
+    # The stopped process can neither dump nor handle SIGTERM: SIGKILL at once.
+    assert halted["pid"] == stopped and halted["state"] == "T"
+    assert halted["outcome"] == "killed"
     assert not Path(f"/proc/{stopped}").exists()
-    assert job.metrics_steps()[-1] == steps, output
-
-
-@pytest.mark.timeout(600)
-def test_a_rank_holding_the_gil_takes_the_hard_kill_path(corpus: Path, tmp_path: Path) -> None:
-    steps = 30
-    job = Job(tmp_path, corpus, steps, "gil:1:15")
-    output = job.finish()
-    events = job.events()
-    diagnoses = _kinds(events, "diagnosis")
-    assert diagnoses and diagnoses[0]["ranks"] == [1], [d["message"] for d in diagnoses]
-    results = [e["evidence"]["result"] for e in _kinds(events, "action_result")]
-    escalation = next(r["escalation"] for r in results if "escalation" in r)
-    assert escalation["outcome"] == "killed"
-    assert [s[0] for s in escalation["steps"]] == ["dump", "SIGTERM", "SIGKILL"]
-    assert "train_step" in escalation["dump"]  # faulthandler answered with the GIL held
+    # The spinning one answers the dump (faulthandler needs no GIL), ignores SIGTERM
+    # (Python's handler needs the GIL) and dies by SIGKILL.
+    assert spinning["outcome"] == "killed"
+    assert [s[0] for s in spinning["steps"]] == ["dump", "SIGTERM", "SIGKILL"]
+    assert "train_step" in spinning["dump"]
+    resumed = [int(m) for m in re.findall(r"resumed from step (\d+) under", output)]
+    assert len(resumed) == 2 and resumed[0] <= 12 and gil_at - 10 < resumed[1] <= gil_at, output
     assert job.metrics_steps()[-1] == steps, output
 
 

@@ -69,6 +69,45 @@ def no_process_group() -> tuple[bool, str]:
     return dist.is_initialized(), os.environ["WORLD_SIZE"]
 
 
+def environment_seen(names: tuple[str, ...]) -> tuple[dict[str, str | None], int, int]:
+    return {n: os.environ.get(n) for n in names}, torch.get_num_threads(), os.getppid()
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_ranks_see_the_callers_environment_at_the_call(
+    monkeypatch: pytest.MonkeyPatch, start_method: str
+) -> None:
+    # A forkserver starts at the first launch (or started earlier) with the environment
+    # then: one variable set and one removed after it.
+    monkeypatch.setenv("MS_TESTING_GONE", "1")
+    run_ranks(no_process_group, 1, timeout=60, init_process_group=False)
+    monkeypatch.setenv("MS_TESTING_SET_LATE", "late")
+    monkeypatch.delenv("MS_TESTING_GONE")
+    names = ("MS_TESTING_SET_LATE", "MS_TESTING_GONE", "MS_TESTING_EXTRA")
+    for seen, threads, parent in run_ranks(
+        environment_seen,
+        2,
+        args=(names,),
+        env={"MS_TESTING_EXTRA": "x", "OMP_NUM_THREADS": "1"},
+        timeout=60,
+        start_method=start_method,  # type: ignore[arg-type]
+    ):
+        assert seen == {
+            "MS_TESTING_SET_LATE": "late",
+            "MS_TESTING_GONE": None,
+            "MS_TESTING_EXTRA": "x",
+        }
+        assert threads == 1
+        assert (parent == os.getpid()) == (start_method == "spawn")
+
+
+def test_an_unknown_start_method_is_refused_naming_it() -> None:
+    with pytest.raises(
+        ValueError, match="start_method must be 'forkserver' or 'spawn', got 'fork'"
+    ):
+        run_ranks(no_process_group, 1, start_method="fork")  # type: ignore[arg-type]
+
+
 def test_values_come_back_in_rank_order() -> None:
     values = run_ranks(sum_of_ranks, world_size=3, args=(2.0,), timeout=60)
     assert values == [(0, "0", 6.0), (1, "1", 6.0), (2, "2", 6.0)]
