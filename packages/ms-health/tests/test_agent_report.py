@@ -57,3 +57,18 @@ def test_the_driver_hands_each_action_once_to_its_node_and_records_the_outcome()
     assert status == 409 and "agent.job must be 'j'" in json.loads(body)["error"]
     with pytest.raises(ValueError, match="kind must be one of"):
         driver.order("n0", "reboot")
+
+
+def test_a_dead_workers_node_is_still_known() -> None:
+    # A crashed rank is gone from its agent's next report before the driver hears its
+    # silence: the recovery must still find its node (to escalate, to diagnose).
+    driver = Driver("t", job="j", tick_s=None)
+    driver._take_agent_report(parse_agent_report(_report()), "test")
+    driver._take_agent_report(parse_agent_report(_report(node="n1", workers={"1": 21})), "test")
+    assert driver.node_of(12) == "n0" and driver.node_of(21) == "n1"
+    driver._take_agent_report(parse_agent_report(_report(workers={"0": 11})), "test")  # 12 died
+    assert driver.node_of(12) == "n0"
+    # A pid reused on another node: the newest report wins.
+    driver._take_agent_report(parse_agent_report(_report(node="n1", workers={"1": 12})), "test")
+    assert driver.node_of(12) == "n1"
+    assert driver.node_of(999) is None

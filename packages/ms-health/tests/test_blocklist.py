@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ms_health.blocklist import Blocklist
+from ms_health.cli import main
 
 
 def test_listed_nodes_persist_and_are_shared_through_the_file(tmp_path: Path) -> None:
@@ -47,3 +48,27 @@ def test_state_round_trip_and_bad_input(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"format": 1, "nodes": "n0"}))
     with pytest.raises(ValueError, match=r"nodes must be a list, got str"):
         Blocklist(bad)
+
+
+def test_the_command_lists_checks_and_clears_hosts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "blocklist.json"
+    Blocklist(path).add("gpu-17", "matmul check failed: 0.2x the floor")
+    assert main(["blocklist", "--file", str(path), "list"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gpu-17  since ") and out.rstrip().endswith(
+        "UTC  matmul check failed: 0.2x the floor"
+    )
+    assert main(["blocklist", "--file", str(path), "check", "gpu-17"]) == 1  # listed
+    assert "gpu-17" in capsys.readouterr().out
+    assert main(["blocklist", "--file", str(path), "check", "gpu-18"]) == 0
+    assert "not on the blocklist" in capsys.readouterr().out
+    assert main(["blocklist", "--file", str(path), "remove", "gpu-17"]) == 0
+    assert main(["blocklist", "--file", str(path), "remove", "gpu-17"]) == 1
+    assert "gpu-17: not on the blocklist" in capsys.readouterr().err
+    assert Blocklist(path).entries() == []
+    path.write_text("{not json")
+    assert main(["blocklist", "--file", str(path), "list"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ms-health blocklist: error: blocklist ") and "is not JSON" in err

@@ -104,7 +104,7 @@ def test_the_dispatcher(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main(["driver", "--help"])
     assert e.value.code == 0 and "--token-file" in capsys.readouterr().out
-    assert set(COMMANDS) == {"driver"}
+    assert set(COMMANDS) == {"driver", "blocklist"}
 
 
 def test_the_console_script_is_declared() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +20,9 @@ from typing import Any
 import pytest
 
 from ms_health.agent import NodeAgent
+from ms_health.blocklist import Blocklist
 from ms_health.detectors import default_detectors
+from ms_health.diagnostics.config import DiagnosticsConfig
 from ms_health.driver import Driver
 from ms_health.escalate import process_state
 from ms_health.recovery import Recovery
@@ -34,9 +37,21 @@ DEADLINE = 60.0
 class Job:
     """Two worker processes on one simulated node, its agent, and the driver."""
 
-    def __init__(self, tmp: Path, *worker_args: list[str]) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        *worker_args: list[str],
+        blocklist: Blocklist | None = None,
+        diagnostics: DiagnosticsConfig | None = None,
+    ) -> None:
         self.driver = Driver(TOKEN, detectors=default_detectors(0.2), job="job", tick_s=0.1)
-        self.driver.on_finding = Recovery(self.driver, dump_timeout_s=1.0, action_timeout_s=20)
+        self.driver.on_finding = Recovery(
+            self.driver,
+            dump_timeout_s=1.0,
+            action_timeout_s=20,
+            diagnose=blocklist is not None,
+            blocklist=blocklist,
+        )
         self.driver.start()
         self.dumps = tmp / "dumps"
         self.dumps.mkdir()
@@ -71,6 +86,7 @@ class Job:
             interval_s=0.1,
             term_timeout_s=1.0,
             kill_timeout_s=5.0,
+            diagnostics=diagnostics,
         ).start()
 
     def _node(self) -> str:
@@ -113,8 +129,8 @@ class Job:
 def make_job(tmp_path: Path) -> Iterator[Any]:
     jobs: list[Job] = []
 
-    def make(*worker_args: list[str]) -> Job:
-        job = Job(tmp_path, *worker_args)
+    def make(*worker_args: list[str], **kwargs: Any) -> Job:
+        job = Job(tmp_path, *worker_args, **kwargs)
         jobs.append(job)
         return job
 
@@ -177,6 +193,30 @@ def test_a_killed_rank_is_found_gone(make_job: Any) -> None:
     result = job.wait_event("action_result", "escalate")
     assert "is not a worker of node" in result["evidence"]["result"]["summary"]
     assert job.procs[0].poll() is None
+
+
+def test_a_node_below_its_floor_is_diagnosed_and_its_host_blocklisted(
+    make_job: Any, tmp_path: Path
+) -> None:
+    # A floor no CPU reaches: the node's measured matmul rate really is below it.
+    blocklist = Blocklist(tmp_path / "blocklist.json")
+    job = make_job([], [], blocklist=blocklist, diagnostics=DiagnosticsConfig(min_flops=1e18))
+    deadline = time.monotonic() + DEADLINE
+    while len(getattr(job.driver.agents().get(job.agent.node), "workers", {})) < 2:
+        assert time.monotonic() < deadline, "the agent never reported both workers"
+        time.sleep(0.05)
+    job.procs[1].kill()
+    job.procs[1].wait(timeout=DEADLINE)
+    job.wait_event("diagnosis")
+    failed = job.wait_event("diagnostics", "FAILED")
+    assert failed["evidence"]["result"]["ok"] is False
+    listed = job.wait_event("blocklist")
+    host = socket.gethostname()
+    assert listed["evidence"] == {"node": failed["evidence"]["node"], "host": host}
+    # Through the file, as a launcher on this host reads it.
+    entry = Blocklist(tmp_path / "blocklist.json").blocked(host)
+    assert entry is not None and "diagnostics failed after crash of ranks [1]" in entry.reason
+    assert entry.evidence["node"] == failed["evidence"]["node"]
 
 
 def test_a_nan_rolls_back_every_rank_at_its_step(make_job: Any) -> None:

@@ -91,5 +91,23 @@ def test_the_ranks_run_without_the_launchers_options() -> None:
     from ms_train.cli import _rank_argv
 
     argv = ["--nproc", "2", "--set", "a=1", "--nnodes=2", "--rdzv-endpoint", "h:1"]
-    argv += ["--rdzv-id=x", "--max-restarts", "3", "--debug"]
+    argv += ["--rdzv-id=x", "--max-restarts", "3", "--debug", "--health-diagnose"]
+    argv += ["--health-min-gflops", "50", "--health-min-gbps=5", "--no-health"]
     assert _rank_argv(argv) == ["--set", "a=1", "--debug"]
+
+
+def test_diagnostics_need_health(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["--no-health", "--health-diagnose"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "ms-train: error: --health-diagnose needs --health (on by default with more than "
+        "one rank)\n"
+    )
+    assert main(["--health-min-gflops", "50"]) == 2  # one rank: health is off by default
+    assert "--health-min-gflops/-gbps needs --health" in capsys.readouterr().err
+    assert main(["--health", "--health-min-gbps", "0"]) == 2
+    assert "--health-min-gbps: must be a finite number > 0, got '0'" in capsys.readouterr().err

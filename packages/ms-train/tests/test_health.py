@@ -8,8 +8,11 @@ on localhost, c10d rendezvous, one health driver), ms-train's small model, real 
   held: each is named as the suspect (the one that cannot answer for its stacks, the
   one that answers from inside its step), ended (the stopped one is gone afterwards;
   the spinning one only dies by SIGKILL), and the job recovers both times;
-- a rank slowed 1.5x: flagged as a straggler within 10 steps, no other rank flagged and
-  nothing killed.
+- with ``--health-diagnose`` and a floor no node reaches, a killed rank's node fails
+  its diagnostics: the host is blocklisted, the job stops gracefully, and a new launch
+  there is refused;
+- a rank slowed 1.5x: flagged as a straggler within 10 steps; another rank's brief
+  jitter (2x for two steps) is not flagged, and nothing is killed.
 
 Every decision is read back from the driver's event log (``<out>/health/events.jsonl``).
 """
@@ -40,6 +43,7 @@ from ms_testing.train import write_train_config
 pytestmark = pytest.mark.slow
 
 DEADLINE = 300.0
+MS_TRAIN = (sys.executable, "-m", "ms_train.cli")
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +163,7 @@ def test_a_stopped_rank_then_a_rank_holding_the_gil_are_named_ended_and_recovere
 def test_a_slow_rank_is_flagged_as_a_straggler_and_nothing_else(
     corpus: Path, tmp_path: Path
 ) -> None:
-    steps, slow_from = 40, 15
+    steps, slow_from, jitter_at = 40, 15, 28
     # A wider model and a metrics line every 10 steps: rank 0's own per-step work must
     # stay small against a step, as it is in real training, or rank 0 is the busiest.
     # Heartbeats every 0.1 s: each carries about one step.
@@ -168,6 +172,7 @@ def test_a_slow_rank_is_flagged_as_a_straggler_and_nothing_else(
         corpus,
         steps,
         f"slow:3:{slow_from}:1.5",
+        f"slow:1:{jitter_at}:2:2",  # brief jitter: 2x for two steps on another rank
         interval_s=0.1,
         width=64,
         log_every=10,
@@ -176,11 +181,50 @@ def test_a_slow_rank_is_flagged_as_a_straggler_and_nothing_else(
     events = job.events()
     findings = [e["evidence"]["finding"] for e in _kinds(events, "finding")]
     stragglers = [f for f in findings if f["kind"] == "straggler"]
-    assert stragglers and stragglers[0]["ranks"] == [3], findings
+    assert stragglers and all(f["ranks"] == [3] for f in stragglers), findings
     last = re.search(r"last steps \d+-(\d+)", stragglers[0]["message"])
     assert last is not None and int(last.group(1)) <= slow_from + 10, stragglers[0]
     assert not [f for f in findings if f["kind"] in ("crash", "hang", "nonfinite")], findings
     assert not _kinds(events, "order")  # nothing was killed for it
+
+
+@pytest.mark.timeout(600)
+def test_a_node_failing_its_diagnostics_is_blocklisted_and_the_job_stops(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """``--health-diagnose`` with a matmul floor no CPU reaches: after rank 3 is killed,
+    its node is diagnosed, fails, and this host goes on the blocklist; both launchers
+    (both on this host) stop their ranks as SIGTERM would, and a new launch here is
+    refused, naming the entry and how to clear it."""
+    steps = 3000  # the stop, not the end of training, ends the job
+    job = Job(tmp_path, corpus, steps, health_diagnose=True, health_min_flops=1e18)
+    job.wait_step(12)
+    os.kill(job.rank_pid(3, DEADLINE), signal.SIGKILL)
+    codes = job.wait(DEADLINE)
+    text = job.output()
+    assert codes == [128 + signal.SIGTERM] * 2, text
+    assert text.count("was put on the blocklist") == 2, text  # once per launcher
+    assert not wait_gone(job.tag, timeout=60), "processes of the job were left behind"
+    assert job.metrics_steps()[-1] < steps
+    events = job.events()
+    failed = [e for e in events if e["kind"] == "diagnostics"]
+    assert failed and "FAILED" in failed[0]["message"], [e["message"] for e in events]
+    listed = _kinds(events, "blocklist")
+    host = listed[0]["evidence"]["host"]
+    blocklist = tmp_path / "run" / "health" / "blocklist.json"
+    assert [n["node"] for n in json.loads(blocklist.read_text())["nodes"]] == [host]
+
+    again = subprocess.run(
+        [*MS_TRAIN, "--config", str(tmp_path / "run.toml"), "--nproc", "2", "--health"],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert again.returncode == 2, again.stdout + again.stderr
+    err = again.stderr.strip().splitlines()
+    assert len(err) == 1 and "this host is on the health blocklist" in err[0], again.stderr
+    assert f"ms-health blocklist --file {blocklist} remove {host}" in err[0]
 
 
 class OutsideDriver:

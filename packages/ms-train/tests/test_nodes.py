@@ -149,4 +149,4 @@ def test_max_restarts_restart_a_killed_rank_from_the_newest_checkpoint(
     assert not Path(f"/proc/{victim}").exists()
     resumed = re.search(r"checkpoint: resumed from step (\d+) under", output)
     assert resumed is not None and 8 <= int(resumed.group(1)) < steps, output
-    assert _losses(tmp_path / "run") == _losses(tmp_path / "ref")
+    assert _losses(tmp_path / "run") == _losses(tmp_path / "ref"), output

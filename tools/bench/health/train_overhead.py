@@ -22,7 +22,7 @@ machine slows both runs of a pair alike), with its min-max and the ratio of the
 medians. Target (issue 16): the cost is under 1% (ratio >= 0.99).
 
 Prints a table and writes a JSON record (machine, parameters, every run) to ``--out``
-(default ``bench-results/health_train_overhead.json``). ``--smoke``: 12 steps, one
+(default ``bench-results/health/train_overhead.json``). ``--smoke``: 12 steps, one
 repetition: a check that the script works, not a measurement.
 """
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--interval", type=float, default=0.5)
-    parser.add_argument("--out", default="bench-results/health_train_overhead.json")
+    parser.add_argument("--out", default="bench-results/health/train_overhead.json")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:

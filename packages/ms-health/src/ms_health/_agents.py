@@ -37,6 +37,10 @@ class AgentView:
     seen_at: float
 
 
+#: Worker pids remembered with their node (the oldest are forgotten first).
+_MAX_PIDS = 65536
+
+
 class AgentBook:
     """Thread-safe; every method may be called from any thread."""
 
@@ -46,6 +50,10 @@ class AgentBook:
         self._queued: dict[str, list[dict[str, Any]]] = {}
         self._results: dict[int, dict[str, Any]] = {}
         self._ids = itertools.count(1)
+        #: Every worker pid an agent reported, to the node of its newest report, newest
+        #: last: a crashed worker is gone from its agent's list by the time the driver
+        #: sees its silence, and the recovery must still find its node.
+        self._pid_nodes: dict[int, str] = {}
 
     def report(self, report: AgentReport, now: float) -> list[dict[str, Any]]:
         """Take ``report``; the actions to hand its agent."""
@@ -53,6 +61,11 @@ class AgentBook:
             self._agents[report.node] = AgentView(
                 report.node, report.host, report.pid, report.restart, dict(report.workers), now
             )
+            for pid in report.workers.values():
+                self._pid_nodes.pop(pid, None)
+                self._pid_nodes[pid] = report.node
+            while len(self._pid_nodes) > _MAX_PIDS:
+                del self._pid_nodes[next(iter(self._pid_nodes))]
             for result in report.results:
                 self._results[int(result["id"])] = dict(result)
             handed = self._queued.pop(report.node, [])
@@ -64,12 +77,13 @@ class AgentBook:
             return dict(self._agents)
 
     def node_of(self, pid: int) -> str | None:
-        """The node whose agent runs worker ``pid``, by its last report."""
+        """The node whose agent runs worker ``pid`` or last reported it (a worker that
+        has since died), or None when no agent ever did."""
         with self._cond:
             for view in self._agents.values():
                 if pid in view.workers.values():
                     return view.node
-            return None
+            return self._pid_nodes.get(pid)
 
     def order(self, node: str, kind: str, **params: Any) -> int:
         """Queue action ``kind`` for ``node``'s agent; its id."""

@@ -33,10 +33,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ms_health._client import JsonClient, TransportError
 from ms_health.record import AgentReport
+
+if TYPE_CHECKING:
+    from ms_health.diagnostics.config import DiagnosticsConfig
 
 __all__ = ["NodeAgent", "dump_file"]
 
@@ -68,6 +71,8 @@ class NodeAgent:
         term_timeout_s, kill_timeout_s: the escalation's bounds (SIGTERM lets a rank
             save; a rank that cannot is killed after it).
         diagnose_nproc, diagnose_timeout_s: the node diagnostics' processes and bound.
+        diagnostics: the diagnostics' sizes, bounds and floors (for example the least
+            matmul throughput a healthy node of this kind reaches); None: defaults.
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class NodeAgent:
         kill_timeout_s: float = 5.0,
         diagnose_nproc: int = 2,
         diagnose_timeout_s: float = 60.0,
+        diagnostics: DiagnosticsConfig | None = None,
     ) -> None:
         for name, value in (
             ("interval_s", interval_s),
@@ -104,6 +110,7 @@ class NodeAgent:
         self.interval_s = float(interval_s)
         self.term_timeout_s, self.kill_timeout_s = term_timeout_s, kill_timeout_s
         self.diagnose_nproc, self.diagnose_timeout_s = diagnose_nproc, diagnose_timeout_s
+        self.diagnostics = diagnostics
         self._client = JsonClient(url, token, timeout_s=max(2.0, 4 * interval_s))
         self._results: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -278,7 +285,9 @@ class NodeAgent:
     def _diagnose(self, action: dict[str, Any]) -> dict[str, Any]:
         from ms_health.diagnostics import diagnose_node
 
-        report = diagnose_node(nproc=self.diagnose_nproc, timeout_s=self.diagnose_timeout_s)
+        report = diagnose_node(
+            nproc=self.diagnose_nproc, timeout_s=self.diagnose_timeout_s, config=self.diagnostics
+        )
         return {
             "ok": report.ok,
             "summary": report.summary(),

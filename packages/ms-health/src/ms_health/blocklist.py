@@ -1,16 +1,22 @@
-"""Nodes that failed their diagnostics, kept out of the job until someone clears them.
+"""Hosts that failed their diagnostics, kept out of the job until someone clears them.
 
-The driver adds a node with the reason and the evidence (the failed check); a node
-agent asks :meth:`Blocklist.blocked` before it joins a rendezvous and, when its node is
-listed, refuses to start workers and says why. The list persists to a JSON file (written
-atomically) so that a restarted driver, or an agent on another machine reading the same
-shared file, sees the same list.
+The driver's recovery policy adds a host with the reason and the evidence (the failed
+check); a launcher asks :meth:`Blocklist.blocked` before it joins a rendezvous and,
+when its host is listed, refuses to start workers and says why (``ms-train --health``
+does, and stops a running job gracefully when one of its hosts is listed). The list
+persists to a JSON file (written atomically) so that a restarted driver, or a launcher
+on another machine reading the same shared file, sees the same list.
+``ms-health blocklist`` lists, checks and clears entries.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import os
+import socket
+import sys
 import tempfile
 import threading
 import time
@@ -20,7 +26,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["BlockedNode", "Blocklist"]
+__all__ = ["BlockedNode", "Blocklist", "main"]
 
 _FORMAT = 1
 
@@ -168,3 +174,51 @@ def _parse(state: Any, where: str) -> dict[str, BlockedNode]:
             e["node"], e["reason"], float(e["since"]), e.get("evidence", {})
         )
     return out
+
+
+def main(argv: list[str] | None = None, prog: str = "ms-health blocklist") -> int:
+    """``ms-health blocklist --file PATH {list, check [HOST], remove HOST}``.
+
+    ``list`` prints every entry; ``check`` exits 1 when HOST (default: this host) is
+    listed, with its entry, and 0 when it is not (for a scheduler's node prolog);
+    ``remove`` clears HOST once it is repaired (exit 1 when it was not listed). A file
+    that cannot be read is exit 2, naming it.
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Hosts that failed their diagnostics, kept out of jobs."
+    )
+    parser.add_argument("--file", required=True, type=Path, help="the blocklist's JSON file")
+    actions = parser.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="print every listed host")
+    check = actions.add_parser("check", help="exit 1 when HOST is listed, 0 when not")
+    check.add_argument("host", nargs="?", default=socket.gethostname())
+    remove = actions.add_parser("remove", help="clear HOST from the list")
+    remove.add_argument("host")
+    args = parser.parse_args(argv)
+    try:
+        blocklist = Blocklist(args.file)
+        if args.action == "list":
+            for e in blocklist.entries():
+                print(describe(e))
+            return 0
+        if args.action == "check":
+            entry = blocklist.blocked(args.host)
+            if entry is None:
+                print(f"{args.host}: not on the blocklist {args.file}")
+                return 0
+            print(describe(entry))
+            return 1
+        if blocklist.remove(args.host):
+            print(f"{args.host}: removed from the blocklist {args.file}")
+            return 0
+        print(f"{args.host}: not on the blocklist {args.file}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def describe(entry: BlockedNode) -> str:
+    """One line: the host, since when (UTC), why."""
+    since = datetime.datetime.fromtimestamp(entry.since, datetime.timezone.utc)
+    return f"{entry.node}  since {since:%Y-%m-%d %H:%M:%S} UTC  {entry.reason}"

@@ -14,6 +14,7 @@ __all__ = ["COMMANDS", "main"]
 #: name -> (module whose ``main(argv, prog)`` runs it, one line of help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "driver": ("ms_health.driver", "run the driver server that takes heartbeats"),
+    "blocklist": ("ms_health.blocklist", "list, check or clear hosts that failed diagnostics"),
 }
 
 

@@ -477,6 +477,15 @@ class Driver:
         """The node agents by node, as last reported."""
         return self._agents.agents()
 
+    def now(self) -> float:
+        """The driver's clock (findings' ``at`` and events' ``at`` are on it)."""
+        return self._clock()
+
+    def node_of(self, pid: int) -> str | None:
+        """The node whose agent runs worker ``pid``, or last reported it (a worker that
+        died since), or None."""
+        return self._agents.node_of(pid)
+
     def order(self, node: str, kind: str, **params: Any) -> int:
         """Hand action ``kind`` (``escalate``, ``diagnose``) to ``node``'s agent at its
         next report; the action id for :meth:`wait_result`."""

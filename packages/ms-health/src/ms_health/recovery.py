@@ -13,8 +13,8 @@ thread, one finding at a time). Each step is an event with its evidence:
   suspect's node agent escalates it (its faulthandler stacks, SIGTERM, SIGKILL, each
   bounded). Its elastic agent then sees a failed worker and restarts the workers of
   every node, which resume from the newest committed checkpoint. With ``diagnose``,
-  the suspects' nodes are then tested (:mod:`ms_health.diagnostics`) and a node that
-  fails goes on the ``blocklist``.
+  the suspects' nodes are then tested (:mod:`ms_health.diagnostics`) and the host of
+  a node that fails goes on the ``blocklist``.
 - **nonfinite** (a NaN or inf loss at step k): a rollback. Every rank is killed at once,
   without a graceful save (ms-train also never commits a step whose gradient norm is
   not finite), and the restart resumes from the newest checkpoint before k. After
@@ -97,6 +97,11 @@ class Recovery:
         # are the restart's own silence.
         self._acted_round: int | None = None
         self._acted_at = 0.0
+        # rank -> pid of the processes the last action ended or saw restart
+        self._acted_pids: dict[int, int] = {}
+        # The driver's clock when the last action had ended its processes: a finding
+        # raised before then is about processes the restart replaces.
+        self._acted_clock: float | None = None
         self._lock = threading.Lock()
 
     def __call__(self, finding: Finding) -> None:
@@ -119,11 +124,38 @@ class Recovery:
             return False
         records = self.driver.last_records()
         ranks = set(records) | set(finding.ranks)
-        # Under way until every rank has reported from a newer round (a rank's last
-        # record from the old round is a dead process's).
-        return any(records.get(r) is None or records[r].restart <= self._acted_round for r in ranks)
+        acted_round, acted_pids = self._acted_round, self._acted_pids
+
+        # Under way until every rank has reported from a new process: a newer restart
+        # round, or another pid. Not the round alone: an elastic agent whose own workers
+        # did not fail restarts them for the new rendezvous without counting a restart,
+        # so its ranks come back in the round they left.
+        def restarted(r: int) -> bool:
+            rec = records.get(r)
+            if rec is None:
+                return False
+            return rec.restart > acted_round or acted_pids.get(r) != rec.pid
+
+        return not all(restarted(r) for r in ranks)
+
+    def _stale(self, finding: Finding) -> bool:
+        """Whether ``finding`` was raised before the last restart this policy caused
+        (it waited in the queue while that action ran): the elastic restart replaces
+        every process, the ones it names included. Recorded, not acted on."""
+        if self._acted_clock is None or finding.at >= self._acted_clock:
+            return False
+        self.driver.record_event(
+            "recovery",
+            f"{finding.kind} of ranks {list(finding.ranks)} raised before the restart "
+            "already ordered: not acted on (the restart replaces those processes)",
+            ranks=finding.ranks,
+            evidence={"finding": finding.to_json(), "acted_at": self._acted_clock},
+        )
+        return True
 
     def _end_faulty(self, finding: Finding) -> None:
+        if self._stale(finding):
+            return
         if self._restarting(finding):
             self.driver.record_event(
                 "recovery",
@@ -187,6 +219,8 @@ class Recovery:
     # ------------------------------------------------------------------ NaN
 
     def _roll_back(self, finding: Finding) -> None:
+        if self._stale(finding):
+            return
         if self._restarting(finding):  # the other ranks' NaN of a step already handled
             self.driver.record_event(
                 "recovery",
@@ -330,10 +364,9 @@ class Recovery:
             if record is None:
                 outcomes[str(rank)] = "unknown rank: never heard from"
                 continue
-            node = next(
-                (n for n, view in agents.items() if record.pid in view.workers.values()),
-                record.node if record.node in agents else None,
-            )
+            node = self.driver.node_of(record.pid)
+            if node not in agents:
+                node = record.node if record.node in agents else None
             if node is None:
                 outcomes[str(rank)] = f"no agent on node {record.node}: cannot act"
                 self.driver.record_event(
@@ -361,7 +394,9 @@ class Recovery:
     def _mark_acted(self, records: dict[int, Any]) -> None:
         rounds = [rec.restart for rec in records.values()]
         self._acted_round = max(rounds, default=0)
+        self._acted_pids = {rank: rec.pid for rank, rec in records.items()}
         self._acted_at = time.monotonic()
+        self._acted_clock = self.driver.now()
         # The ranks restart: what the detectors hold about the old processes (their
         # last steps, their silence) says nothing about the new ones.
         self.driver.reset_detectors()
@@ -375,8 +410,11 @@ class Recovery:
         for r in ranks:
             if r not in records:
                 continue
-            pid = records[r].pid
-            nodes.update(n for n, view in agents.items() if pid in view.workers.values())
+            node = self.driver.node_of(records[r].pid)  # a dead rank's too
+            if node not in agents:  # never reported by an agent: the heartbeat's node
+                node = records[r].node
+            if node in agents:
+                nodes.add(node)
         return sorted(nodes)
 
     def _diagnose_nodes(self, finding: Finding, nodes: list[str]) -> None:
@@ -397,10 +435,18 @@ class Recovery:
                 level=logging.INFO if ok else logging.ERROR,
             )
             if not ok and self.blocklist is not None:
-                self.blocklist.add(node, f"diagnostics failed after {finding.kind}", result)
+                # The machine is what failed its checks: listed by host, so that any
+                # launcher there (a later one, or another simulated node) sees it.
+                host = agents[node].host or node
+                self.blocklist.add(
+                    host,
+                    f"diagnostics failed after {finding.kind} of ranks {list(finding.ranks)}: "
+                    f"{result.get('summary', '')}"[:500],
+                    {"node": node, "result": result},
+                )
                 self.driver.record_event(
                     "blocklist",
-                    f"node {node} put on the blocklist",
-                    evidence={"node": node},
+                    f"host {host} (node {node}) put on the blocklist",
+                    evidence={"node": node, "host": host},
                     level=logging.ERROR,
                 )

@@ -16,6 +16,13 @@ and read from there by the others (the out dir is shared by the nodes, as the
 checkpoints are), or taken from ``MS_HEALTH_TOKEN`` when that is set. The driver's
 events go to ``<train.out_dir>/health/events.jsonl`` and its learned state to
 ``driver-state.json`` beside it.
+
+With ``--health-diagnose`` the recovery also tests the suspects' node after a crash or
+hang (``ms_health.diagnostics``, with the floors ``--health-min-gflops`` and
+``--health-min-gbps``); a host that fails goes on ``<train.out_dir>/health/
+blocklist.json``. Every launcher watches that file: one listed during its launch stops
+the job as SIGTERM would (the ranks save), since the job cannot go on without the node;
+a launcher on a listed host refuses to start, saying how to clear it.
 """
 
 from __future__ import annotations
@@ -46,7 +53,17 @@ _TOKEN_WAIT_S = 60.0
 class HealthSide:
     """The driver (when this launcher hosts it) and this node's agent, for one launch."""
 
-    def __init__(self, config: Config, run_id: str, *, endpoint: str | None, nnodes: int) -> None:
+    def __init__(
+        self,
+        config: Config,
+        run_id: str,
+        *,
+        endpoint: str | None,
+        nnodes: int,
+        diagnose: bool = False,
+        min_flops: float | None = None,
+        min_gbps: float | None = None,
+    ) -> None:
         try:
             self.interval_s = float(os.environ.get(INTERVAL_ENV, _INTERVAL_S))
         except ValueError:
@@ -60,6 +77,12 @@ class HealthSide:
         self.run_id = run_id
         self.endpoint = endpoint
         self.nnodes = nnodes
+        self.diagnose = diagnose
+        self.min_flops, self.min_gbps = min_flops, min_gbps
+        self.blocklist_path = self.folder / "blocklist.json"
+        self.blocklist: Any = None
+        self.started_at = 0.0
+        self._next_check = 0.0
         self.driver: Any = None
         self.agent: Any = None
         self.url = ""
@@ -71,6 +94,7 @@ class HealthSide:
         from ms_health.agent import NodeAgent
 
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._refuse_if_blocked()
         host, port = _parse(self.endpoint) if self.endpoint else ("127.0.0.1", 0)
         if self.nnodes > 1 and self.endpoint is None:
             raise JobError("--health with --nnodes > 1 needs --health-endpoint HOST:PORT")
@@ -95,6 +119,7 @@ class HealthSide:
             # SIGTERM lets a rank save; one whose peers are gone or that is hung cannot,
             # and the restart should not wait long for it.
             term_timeout_s=5.0,
+            diagnostics=self._diagnostics(),
         ).start()
         return {
             "MS_HEALTH_URL": self.url,
@@ -116,7 +141,52 @@ class HealthSide:
             self.driver.stop()
         return lines
 
+    def stop_reason(self) -> str | None:
+        """Why the job must stop, if it must: a host was put on the blocklist during this
+        launch (a node of this job failed its diagnostics; the job cannot go on with
+        fewer nodes). Reads the file at most every 0.5 s."""
+        now = time.monotonic()
+        if self.blocklist is None or now < self._next_check:
+            return None
+        self._next_check = now + 0.5
+        try:
+            entries = self.blocklist.entries()
+        except (OSError, ValueError):
+            return None  # being replaced, or damaged: the driver's own write reports it
+        for entry in entries:
+            if entry.since >= self.started_at:
+                return (
+                    f"host {entry.node} was put on the blocklist ({entry.reason}); the job "
+                    f"stops, and no launch starts there until `ms-health blocklist --file "
+                    f"{self.blocklist_path} remove {entry.node}` clears it"
+                )
+        return None
+
     # ------------------------------------------------------------------ helpers
+
+    def _refuse_if_blocked(self) -> None:
+        from ms_health.blocklist import Blocklist, describe
+
+        try:
+            self.blocklist = Blocklist(self.blocklist_path)
+            host = socket.gethostname()
+            entry = self.blocklist.blocked(host)
+        except (OSError, ValueError) as e:
+            raise JobError(f"health blocklist {self.blocklist_path}: {e}") from e
+        if entry is not None:
+            raise JobError(
+                f"this host is on the health blocklist {self.blocklist_path}: "
+                f"{describe(entry)}; once it is repaired, clear it with `ms-health "
+                f"blocklist --file {self.blocklist_path} remove {host}`"
+            )
+        self.started_at = time.time()
+
+    def _diagnostics(self) -> Any:
+        if self.min_flops is None and self.min_gbps is None:
+            return None
+        from ms_health.diagnostics.config import DiagnosticsConfig
+
+        return DiagnosticsConfig(min_flops=self.min_flops, min_gbps=self.min_gbps)
 
     def _host_driver(self, host: str, port: int) -> Any:
         """A started driver, or None when another launcher already hosts it (the
@@ -143,7 +213,9 @@ class HealthSide:
             state_path=state,
             events_path=self.folder / "events.jsonl",
         )
-        driver.on_finding = Recovery(driver)
+        driver.on_finding = Recovery(
+            driver, diagnose=self.diagnose, blocklist=self.blocklist if self.diagnose else None
+        )
         try:
             driver.start()
         except OSError as e:

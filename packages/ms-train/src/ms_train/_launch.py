@@ -34,6 +34,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -183,8 +184,24 @@ def launch(
     if nodes.health:
         from ms_train._health_launch import HealthSide
 
-        health = HealthSide(config, run_id, endpoint=nodes.health_endpoint, nnodes=nodes.nnodes)
-        for name, value in health.start().items():
+        health = HealthSide(
+            config,
+            run_id,
+            endpoint=nodes.health_endpoint,
+            nnodes=nodes.nnodes,
+            diagnose=nodes.health_diagnose,
+            min_flops=nodes.health_min_flops,
+            min_gbps=nodes.health_min_gbps,
+        )
+        try:
+            started = health.start()
+        except BaseException:  # a refused start (the blocklist) leaves nothing behind
+            health.stop()
+            for name in ours:
+                os.environ.pop(name, None)
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        for name, value in started.items():
             os.environ[name] = value
             ours.append(name)
     # The agent, on a thread, cannot take the signals and says so; it reports failures
@@ -212,7 +229,8 @@ def launch(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        sessions = _supervise(agent, signals, grace)
+        stop_reason = None if health is None else health.stop_reason
+        sessions = _supervise(agent, signals, grace, stop_reason)
         _drain(sessions)
         if health is not None:
             for line in health.stop():
@@ -229,9 +247,15 @@ def launch(
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _supervise(agent: _Agent, signals: list[int], grace: float) -> set[int]:
+def _supervise(
+    agent: _Agent,
+    signals: list[int],
+    grace: float,
+    stop_reason: Callable[[], str | None] | None = None,
+) -> set[int]:
     """Run the agent to its end, passing signals on to the ranks and killing ranks that
-    outstay them; the ranks' sessions (each rank leads one)."""
+    outstay them; the ranks' sessions (each rank leads one). ``stop_reason``, polled:
+    a reason to stop the job as a SIGTERM would (ms-health's blocklist)."""
     agent.start()
     ranks: set[int] = set()
     told: dict[int, int] = {}  # rank pid -> signals passed to it
@@ -241,6 +265,9 @@ def _supervise(agent: _Agent, signals: list[int], grace: float) -> set[int]:
         agent.join(0.05)
         now = _procs.children()
         ranks.update(now)
+        if stop_reason is not None and not signals and (why := stop_reason()):
+            print(f"ms-health: {why}", file=sys.stderr, flush=True)
+            signals.append(signal.SIGTERM)
         if len(signals) > handled:
             handled = len(signals)
             bound = grace + _TEARDOWN_S if handled == 1 else _AT_ONCE_S

@@ -23,3 +23,9 @@ class Nodes:
     health: bool = False
     #: With several nodes, where the driver listens (the launcher that binds it hosts it).
     health_endpoint: str | None = None
+    #: After a crash or hang, test the suspects' nodes; a host that fails its checks goes
+    #: on the run's blocklist and the job stops.
+    health_diagnose: bool = False
+    #: The diagnostics' floors: matmul FLOP/s per process, memory copy bandwidth (GB/s).
+    health_min_flops: float | None = None
+    health_min_gbps: float | None = None

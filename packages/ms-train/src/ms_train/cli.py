@@ -112,6 +112,29 @@ def _parser() -> argparse.ArgumentParser:
         "it hosts it)",
     )
     train.add_argument(
+        "--health-diagnose",
+        action="store_true",
+        default=None,
+        help="after a crash or hang, test the suspect ranks' node (collectives, matmul, "
+        "memory bandwidth); a host that fails goes on <train.out_dir>/health/"
+        "blocklist.json, the job stops with a checkpoint, and no launch starts there until "
+        "`ms-health blocklist remove` clears it",
+    )
+    train.add_argument(
+        "--health-min-gflops",
+        type=flops._positive_float_arg,
+        default=None,
+        metavar="G",
+        help="with --health-diagnose: the matmul GFLOP/s per process a healthy node reaches",
+    )
+    train.add_argument(
+        "--health-min-gbps",
+        type=flops._positive_float_arg,
+        default=None,
+        metavar="B",
+        help="with --health-diagnose: the memory copy GB/s a healthy node reaches",
+    )
+    train.add_argument(
         "--peak-tflops",
         type=flops._positive_float_arg,
         default=None,
@@ -211,9 +234,11 @@ _LAUNCHER_OPTIONS = (
     "--rdzv-id",
     "--max-restarts",
     "--health-endpoint",
+    "--health-min-gflops",
+    "--health-min-gbps",
 )
 #: Flags without a value that only the launcher takes.
-_LAUNCHER_FLAGS = ("--health", "--no-health")
+_LAUNCHER_FLAGS = ("--health", "--no-health", "--health-diagnose")
 
 
 def _rank_argv(argv: list[str]) -> list[str]:
@@ -240,6 +265,11 @@ def _nodes(args: argparse.Namespace) -> Nodes:
             "same on every node"
         )
     health = args.health if args.health is not None else args.nproc * args.nnodes > 1
+    floors = args.health_min_gflops is not None or args.health_min_gbps is not None
+    diagnose = bool(args.health_diagnose) or floors
+    if diagnose and not health:
+        given = "--health-diagnose" if args.health_diagnose else "--health-min-gflops/-gbps"
+        raise JobError(f"{given} needs --health (on by default with more than one rank)")
     default_restarts = 3 if health else 0
     restarts = default_restarts if args.max_restarts is None else args.max_restarts
     return Nodes(
@@ -249,6 +279,9 @@ def _nodes(args: argparse.Namespace) -> Nodes:
         max_restarts=restarts,
         health=health,
         health_endpoint=args.health_endpoint,
+        health_diagnose=diagnose,
+        health_min_flops=None if args.health_min_gflops is None else args.health_min_gflops * 1e9,
+        health_min_gbps=args.health_min_gbps,
     )
 
 
@@ -275,7 +308,10 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     ):
         from ms_train._launch import launch
 
-        return launch(args.nproc, _rank_argv(argv), config, nodes=nodes)
+        try:
+            return launch(args.nproc, _rank_argv(argv), config, nodes=nodes)
+        except JobError as e:  # the launcher's own set-up (the health side): one line
+            return report_failure(e, debug=debug)
     from ms_train._launch import run_rank
 
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12

@@ -13,8 +13,9 @@ with the ``Nodes`` of NODE_ARGS_JSON); each rank trains CONFIG with a
   step K is clean;
 - ``gil:R:K``: rank R enters, at step K and once per job, a C call that holds the GIL
   and never checks for signals (``sum`` over a huge range);
-- ``slow:R:K:F``: from step K on, rank R's steps take F times as long (it spins, as
-  a slower processor would compute longer);
+- ``slow:R:K:F[:N]``: from step K on (for N steps; without N, to the end), rank R's
+  steps take F times as long (it spins, as a slower processor would compute longer);
+  with N, brief jitter;
 - ``mute:R:K``: at step K, once per job, rank R's heartbeat sender thread dies (as an
   uncaught error in it would end it) while the rank trains on;
 - ``slowsave:R:K:F``: rank R's checkpoint of step K takes F step times longer (it
@@ -55,15 +56,20 @@ MODULE = "ms_testing.faulty_train"
 FAULTS_ENV = "MS_FAULTS_DIR"
 KINDS = ("nan", "gil", "slow", "mute", "slowsave")
 
-Fault = tuple[str, int | None, int, float]  # kind, rank (None: every rank), step, arg
+#: kind, rank (None: every rank), step, arg, steps (how long a slow lasts; None: on)
+Fault = tuple[str, int | None, int, float, int | None]
 
 
 def parse_fault(text: str) -> Fault:
-    """``kind:rank:step[:arg]`` as a tuple; rank ``*`` is None (every rank)."""
-    kind, rank, step, *arg = text.split(":")
+    """``kind:rank:step[:arg[:steps]]`` as a tuple; rank ``*`` is None (every rank)."""
+    kind, rank, step, *rest = text.split(":")
     if kind not in KINDS:
         raise ValueError(f"fault kind must be one of {KINDS}, got {kind!r} in {text!r}")
-    return kind, None if rank == "*" else int(rank), int(step), float(arg[0]) if arg else 0.0
+    if len(rest) > 2 or (len(rest) == 2 and kind != "slow"):
+        raise ValueError(f"only a slow fault takes a step count, got {text!r}")
+    arg = float(rest[0]) if rest else 0.0
+    steps = int(rest[1]) if len(rest) == 2 else None
+    return kind, None if rank == "*" else int(rank), int(step), arg, steps
 
 
 class FaultyTrainer(Trainer):
@@ -132,22 +138,25 @@ class FaultyTrainer(Trainer):
         done = step + 1
         if self._slow_until is not None and done >= self._slow_until:
             self._slow, self._slow_until = 1.0, None
-        for kind, rank, at, arg in self.faults:
+        slow = self._slow  # from a fault that came while the job runs
+        for kind, rank, at, arg, steps in self.faults:
             if not self._mine(rank):
                 continue
-            if kind == "slow" and done >= at:  # after a restart past K as well
-                self._slow = arg
+            if kind == "slow":  # after a restart past K as well
+                if done >= at and (steps is None or done < at + steps):
+                    slow = max(slow, arg)
             elif done == at and self._once(kind, rank, at):
                 self._apply(kind, arg, done, None)
         self._incoming(done)
+        slow = max(slow, self._slow)
         now = time.perf_counter()
         if self._last_start is not None:
             self._step_s = now - self._last_start
-            if self._slow > 1.0:
+            if slow > 1.0:
                 # The whole step slower, as a slower processor would be: F - 1 times the
                 # rest of the step as more CPU work (a spin, not a sleep), before the
                 # step's compute, where its peers then wait for it in the collectives.
-                end = time.perf_counter() + self._step_s * (self._slow - 1.0)
+                end = time.perf_counter() + self._step_s * (slow - 1.0)
                 while time.perf_counter() < end:
                     pass
         self._last_start = time.perf_counter()
@@ -283,7 +292,8 @@ class HealthJob(Job):
     ``faults``: FAULT strings for every rank; ``interval_s``: the heartbeat interval;
     ``health_endpoint``: the driver's address (default: a free port, hosted by a
     launcher); ``env``: more environment for the launchers (``MS_HEALTH_TOKEN`` for an
-    outside driver, ``MS_FAULTS_DIR``).
+    outside driver, ``MS_FAULTS_DIR``); ``node_options``: more ``ms_train._nodes.Nodes``
+    fields (``health_diagnose``, ``health_min_flops``).
     """
 
     def __init__(
@@ -299,6 +309,7 @@ class HealthJob(Job):
         max_restarts: int = 3,
         health_endpoint: str | None = None,
         env: dict[str, str] | None = None,
+        **node_options: Any,
     ) -> None:
         from ms_testing.jobs import tag_env
 
@@ -312,6 +323,7 @@ class HealthJob(Job):
             "max_restarts": max_restarts,
             "health": True,
             "health_endpoint": health_endpoint or f"127.0.0.1:{free_port()}",
+            **node_options,
         }
         full = {**tag_env(self.tag), "OMP_NUM_THREADS": "1", "MS_HEALTH_INTERVAL": str(interval_s)}
         full.update(env or {})
