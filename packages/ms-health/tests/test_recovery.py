@@ -215,7 +215,8 @@ def test_a_node_below_its_floor_is_diagnosed_and_its_host_blocklisted(
     assert listed["evidence"] == {"node": failed["evidence"]["node"], "host": host}
     # Through the file, as a launcher on this host reads it.
     entry = Blocklist(tmp_path / "blocklist.json").blocked(host)
-    assert entry is not None and "diagnostics failed after crash of ranks [1]" in entry.reason
+    assert entry is not None and "diagnostics failed after crash of ranks [1]: " in entry.reason
+    assert "matmul" in entry.reason and "\n" not in entry.reason  # the failed check, one line
     assert entry.evidence["node"] == failed["evidence"]["node"]
 
 

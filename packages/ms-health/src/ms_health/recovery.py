@@ -144,26 +144,28 @@ class Recovery:
         every process, the ones it names included. Recorded, not acted on."""
         if self._acted_clock is None or finding.at >= self._acted_clock:
             return False
-        self.driver.record_event(
-            "recovery",
-            f"{finding.kind} of ranks {list(finding.ranks)} raised before the restart "
-            "already ordered: not acted on (the restart replaces those processes)",
-            ranks=finding.ranks,
-            evidence={"finding": finding.to_json(), "acted_at": self._acted_clock},
+        self._leave(
+            finding,
+            "raised before the restart already ordered (which replaces those processes)",
+            acted_at=self._acted_clock,
         )
         return True
+
+    def _leave(self, finding: Finding, why: str, **evidence: Any) -> None:
+        """Record that ``finding`` is not acted on, and why."""
+        at = "" if finding.step is None else f" at step {finding.step}"
+        self.driver.record_event(
+            "recovery",
+            f"{finding.kind} of ranks {list(finding.ranks)}{at} {why}: not acted on",
+            ranks=finding.ranks,
+            evidence={"finding": finding.to_json(), **evidence},
+        )
 
     def _end_faulty(self, finding: Finding) -> None:
         if self._stale(finding):
             return
         if self._restarting(finding):
-            self.driver.record_event(
-                "recovery",
-                f"{finding.kind} of ranks {list(finding.ranks)} during the restart under way: "
-                "not acted on",
-                ranks=finding.ranks,
-                evidence={"finding": finding.to_json(), "acted_round": self._acted_round},
-            )
+            self._leave(finding, "during the restart under way", acted_round=self._acted_round)
             return
         records = self.driver.last_records()
         live = sorted(r for r, rec in records.items() if rec.status == "running")
@@ -222,13 +224,7 @@ class Recovery:
         if self._stale(finding):
             return
         if self._restarting(finding):  # the other ranks' NaN of a step already handled
-            self.driver.record_event(
-                "recovery",
-                f"non-finite loss of ranks {list(finding.ranks)} at step {finding.step} "
-                "during the rollback under way: not acted on",
-                ranks=finding.ranks,
-                evidence={"finding": finding.to_json(), "acted_round": self._acted_round},
-            )
+            self._leave(finding, "during the rollback under way", acted_round=self._acted_round)
             return
         step = -1 if finding.step is None else finding.step
         done = self._rollbacks.get(step, 0)
@@ -441,7 +437,7 @@ class Recovery:
                 self.blocklist.add(
                     host,
                     f"diagnostics failed after {finding.kind} of ranks {list(finding.ranks)}: "
-                    f"{result.get('summary', '')}"[:500],
+                    + _failed_checks(str(result.get("summary", ""))),
                     {"node": node, "result": result},
                 )
                 self.driver.record_event(
@@ -450,3 +446,11 @@ class Recovery:
                     evidence={"node": node, "host": host},
                     level=logging.ERROR,
                 )
+
+
+def _failed_checks(summary: str, limit: int = 300) -> str:
+    """The failed checks of a diagnostics summary, on one line."""
+    lines = [line.strip() for line in summary.splitlines() if line.strip()]
+    failed = [line.removeprefix("[FAIL]").strip() for line in lines if line.startswith("[FAIL]")]
+    text = "; ".join(failed or lines[:1]) or "no summary"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

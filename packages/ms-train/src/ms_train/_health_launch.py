@@ -268,18 +268,11 @@ def _parse(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _environ(pid: int) -> dict[bytes, bytes]:
-    with contextlib.suppress(OSError):
-        pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        return dict(p.split(b"=", 1) for p in pairs if b"=" in p)
-    return {}
-
-
 def _ranks() -> dict[int, int]:
     """Global rank -> pid of this launcher's ranks (its children with a ``RANK``)."""
     found: dict[int, int] = {}
     for pid in _procs.children():
-        rank = _environ(pid).get(b"RANK")
+        rank = _procs.environ(pid).get(b"RANK")
         if rank is not None and rank.isdigit():
             found[int(rank)] = pid
     return found
@@ -289,6 +282,6 @@ def _restart_round() -> int:
     rounds = [
         int(value)
         for pid in _procs.children()
-        if (value := _environ(pid).get(b"TORCHELASTIC_RESTART_COUNT", b"")).isdigit()
+        if (value := _procs.environ(pid).get(b"TORCHELASTIC_RESTART_COUNT", b"")).isdigit()
     ]
     return max(rounds, default=0)

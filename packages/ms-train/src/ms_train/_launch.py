@@ -263,7 +263,9 @@ def _supervise(
     handled = 0
     while agent.is_alive():
         agent.join(0.05)
-        now = _procs.children()
+        # The ranks only: a node diagnosis the health agent runs in this process is not
+        # interrupted (a diagnosis killed by a stop would read as a failed node).
+        now = _procs.worker_children()
         ranks.update(now)
         if stop_reason is not None and not signals and (why := stop_reason()):
             print(f"ms-health: {why}", file=sys.stderr, flush=True)

@@ -58,6 +58,20 @@ def children(pid: int | None = None) -> list[int]:
     return sorted(set(found))
 
 
+def environ(pid: int) -> dict[bytes, bytes]:
+    """The environment process ``pid`` was started with (empty when unreadable)."""
+    with contextlib.suppress(OSError):
+        pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return dict(p.split(b"=", 1) for p in pairs if b"=" in p)
+    return {}
+
+
+def worker_children() -> list[int]:
+    """This process's children that torch elastic started as workers (their environment
+    names the elastic run); not helpers of its own, such as node diagnostics."""
+    return [pid for pid in children() if b"TORCHELASTIC_RUN_ID" in environ(pid)]
+
+
 def session_members(sessions: set[int]) -> list[int]:
     """Live processes (zombies excluded) in any of ``sessions``."""
     members: list[int] = []
