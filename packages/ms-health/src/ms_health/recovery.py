@@ -25,7 +25,9 @@ thread, one finding at a time). Each step is an event with its evidence:
 
 While a restart it caused is under way, the policy does not act on the crash and hang
 findings that the restart itself raises (every rank falls silent for a few seconds):
-until each rank has reported from a newer restart round, or ``settle_s`` passed.
+until each rank has reported from a new process (a newer restart round or another
+pid), or ``settle_s`` passed. Nor on a finding raised before that restart was ordered
+(it waited while the action ran): the restart replaces the processes it names.
 """
 
 from __future__ import annotations
