@@ -95,14 +95,12 @@ class Recovery:
         # rank -> pid of ranks found to have lost their heartbeat sender
         self._unmonitored: dict[int, int] = {}
         self._rollbacks: dict[int, int] = {}
-        # The restart round the last action ended and when: findings from that round
-        # are the restart's own silence.
+        # The restart round and the processes (rank -> pid) the last action ended: until
+        # every rank reports from a new one, findings are the restart's own silence.
         self._acted_round: int | None = None
-        self._acted_at = 0.0
-        # rank -> pid of the processes the last action ended or saw restart
         self._acted_pids: dict[int, int] = {}
-        # The driver's clock when the last action had ended its processes: a finding
-        # raised before then is about processes the restart replaces.
+        # When (the driver's clock) that action had ended them: a finding raised before
+        # is about processes the restart replaces; settle_s runs from here too.
         self._acted_clock: float | None = None
         self._lock = threading.Lock()
 
@@ -121,7 +119,7 @@ class Recovery:
         """Whether ``finding`` is the silence of a restart this policy caused."""
         if self._acted_round is None:
             return False
-        if time.monotonic() - self._acted_at > self.settle_s:
+        if self._acted_clock is None or self.driver.now() - self._acted_clock > self.settle_s:
             self._acted_round = None
             return False
         records = self.driver.last_records()
@@ -362,9 +360,7 @@ class Recovery:
             if record is None:
                 outcomes[str(rank)] = "unknown rank: never heard from"
                 continue
-            node = self.driver.node_of(record.pid)
-            if node not in agents:
-                node = record.node if record.node in agents else None
+            node = self._agent_node(record, agents)
             if node is None:
                 outcomes[str(rank)] = f"no agent on node {record.node}: cannot act"
                 self.driver.record_event(
@@ -393,7 +389,6 @@ class Recovery:
         rounds = [rec.restart for rec in records.values()]
         self._acted_round = max(rounds, default=0)
         self._acted_pids = {rank: rec.pid for rank, rec in records.items()}
-        self._acted_at = time.monotonic()
         self._acted_clock = self.driver.now()
         # The ranks restart: what the detectors hold about the old processes (their
         # last steps, their silence) says nothing about the new ones.
@@ -406,14 +401,19 @@ class Recovery:
         agents = self.driver.agents()
         nodes: set[str] = set()
         for r in ranks:
-            if r not in records:
-                continue
-            node = self.driver.node_of(records[r].pid)  # a dead rank's too
-            if node not in agents:  # never reported by an agent: the heartbeat's node
-                node = records[r].node
-            if node in agents:
+            node = self._agent_node(records[r], agents) if r in records else None
+            if node is not None:
                 nodes.add(node)
         return sorted(nodes)
+
+    def _agent_node(self, record: Any, agents: dict[str, Any]) -> str | None:
+        """The agent's node for ``record``'s rank: the one that runs its process or last
+        reported it (a dead rank's too), else the heartbeat's node if an agent goes by
+        that name; None when no agent is known for it."""
+        node = self.driver.node_of(record.pid)
+        if node in agents:
+            return node
+        return record.node if record.node in agents else None
 
     def _diagnose_nodes(self, finding: Finding, nodes: list[str]) -> None:
         agents = self.driver.agents()
@@ -439,7 +439,7 @@ class Recovery:
                 self.blocklist.add(
                     host,
                     f"diagnostics failed after {finding.kind} of ranks {list(finding.ranks)}: "
-                    + _failed_checks(str(result.get("summary", ""))),
+                    + _one_line(result),
                     {"node": node, "result": result},
                 )
                 self.driver.record_event(
@@ -450,9 +450,10 @@ class Recovery:
                 )
 
 
-def _failed_checks(summary: str, limit: int = 300) -> str:
-    """The failed checks of a diagnostics summary, on one line."""
-    lines = [line.strip() for line in summary.splitlines() if line.strip()]
-    failed = [line.removeprefix("[FAIL]").strip() for line in lines if line.startswith("[FAIL]")]
-    text = "; ".join(failed or lines[:1]) or "no summary"
+def _one_line(result: dict[str, Any], limit: int = 300) -> str:
+    """The failed checks of an agent's diagnosis (the report's own ``failures``), on one
+    line; its summary's first line when it has no report (the diagnosis raised)."""
+    failures = result.get("report", {}).get("failures") or []
+    text = "; ".join(str(f) for f in failures)
+    text = text or str(result.get("summary", "")).strip().split("\n", 1)[0] or "no summary"
     return text if len(text) <= limit else text[: limit - 3] + "..."

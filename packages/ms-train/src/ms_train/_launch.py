@@ -166,69 +166,64 @@ def launch(
     folder = Path(tempfile.mkdtemp(prefix="ms-train-launch-"))
     # The ranks inherit this process's environment, set here for the launch only.
     ours = [_REPORT_DIR, _LAUNCHER_PID]
-    if "OMP_NUM_THREADS" not in os.environ:
-        # One share of the cores per rank (the agent would otherwise force 1, with a warning).
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-        ours.append("OMP_NUM_THREADS")
-    os.environ[_REPORT_DIR], os.environ[_LAUNCHER_PID] = str(folder), str(os.getpid())
-    if _FRESH_STORE not in os.environ:
-        # A store of its own for each rendezvous round (rank 0 hosts it), instead of the
-        # agent's one store for the job's life: there a restarted round's gloo ranks
-        # found the previous round's addresses and failed with "connectFullMesh ...
-        # Connection refused" (a per-round key prefix cannot fix it: the agents of
-        # different nodes count their restarts differently).
-        os.environ[_FRESH_STORE] = "1"
-        ours.append(_FRESH_STORE)
-    run_id = nodes.run_id or uuid.uuid4().hex
-    health = None
-    if nodes.health:
-        from ms_train._health_launch import HealthSide
-
-        health = HealthSide(
-            config,
-            run_id,
-            endpoint=nodes.health_endpoint,
-            nnodes=nodes.nnodes,
-            diagnose=nodes.health_diagnose,
-            min_flops=nodes.health_min_flops,
-            min_gbps=nodes.health_min_gbps,
-        )
-        try:
-            started = health.start()
-        except BaseException:  # a refused start (the blocklist) leaves nothing behind
-            health.stop()
-            for name in ours:
-                os.environ.pop(name, None)
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        for name, value in started.items():
-            os.environ[name] = value
-            ours.append(name)
-    # The agent, on a thread, cannot take the signals and says so; it reports failures
-    # as logged tracebacks. The launcher does both itself.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    standalone = nodes.nnodes == 1 and nodes.endpoint is None
-    launch_config = LaunchConfig(
-        min_nodes=nodes.nnodes,
-        max_nodes=nodes.nnodes,
-        nproc_per_node=nproc,
-        run_id=run_id,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0" if standalone else str(nodes.endpoint),
-        max_restarts=nodes.max_restarts,
-        monitor_interval=0.1,
-        logs_specs=DefaultLogsSpecs(log_dir=str(folder / "logs")),
-        # The agent's own wait when it ends workers, consistent with the launcher's.
-        shutdown_timeout=int(grace + _TEARDOWN_S),
-    )
-    agent = _Agent(launch_config, ["-u", "-m", module, *argv])
-    signals: list[int] = []
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        signals.append(signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Everything the launch sets up is undone in the finally, whatever ends it (a start
+    # the health side refuses, a signal, an error).
+    health: Any = None
+    previous: dict[int, Any] = {}
     try:
+        if "OMP_NUM_THREADS" not in os.environ:
+            # One share of the cores per rank (the agent would otherwise force 1, with a warning).
+            os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+            ours.append("OMP_NUM_THREADS")
+        os.environ[_REPORT_DIR], os.environ[_LAUNCHER_PID] = str(folder), str(os.getpid())
+        if _FRESH_STORE not in os.environ:
+            # A store of its own for each rendezvous round (rank 0 hosts it), instead of the
+            # agent's one store for the job's life: there a restarted round's gloo ranks
+            # found the previous round's addresses and failed with "connectFullMesh ...
+            # Connection refused" (a per-round key prefix cannot fix it: the agents of
+            # different nodes count their restarts differently).
+            os.environ[_FRESH_STORE] = "1"
+            ours.append(_FRESH_STORE)
+        run_id = nodes.run_id or uuid.uuid4().hex
+        if nodes.health:
+            from ms_train._health_launch import HealthSide
+
+            health = HealthSide(
+                config,
+                run_id,
+                endpoint=nodes.health_endpoint,
+                nnodes=nodes.nnodes,
+                diagnose=nodes.health_diagnose,
+                min_flops=nodes.health_min_flops,
+                min_gbps=nodes.health_min_gbps,
+            )
+            for name, value in health.start().items():
+                os.environ[name] = value
+                ours.append(name)
+        # The agent, on a thread, cannot take the signals and says so; it reports failures
+        # as logged tracebacks. The launcher does both itself.
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        standalone = nodes.nnodes == 1 and nodes.endpoint is None
+        launch_config = LaunchConfig(
+            min_nodes=nodes.nnodes,
+            max_nodes=nodes.nnodes,
+            nproc_per_node=nproc,
+            run_id=run_id,
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0" if standalone else str(nodes.endpoint),
+            max_restarts=nodes.max_restarts,
+            monitor_interval=0.1,
+            logs_specs=DefaultLogsSpecs(log_dir=str(folder / "logs")),
+            # The agent's own wait when it ends workers, consistent with the launcher's.
+            shutdown_timeout=int(grace + _TEARDOWN_S),
+        )
+        agent = _Agent(launch_config, ["-u", "-m", module, *argv])
+        signals: list[int] = []
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            signals.append(signum)
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         stop_reason = None if health is None else health.stop_reason
         sessions = _supervise(agent, signals, grace, stop_reason)
         _drain(sessions)
