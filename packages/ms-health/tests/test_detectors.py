@@ -50,7 +50,7 @@ def test_default_detectors_refuse_a_bad_interval(interval: Any) -> None:
 def test_every_state_is_json_versioned_and_refused_when_foreign(cls: type) -> None:
     det = cls()
     state = det.state_dict()
-    version = 2 if cls is LossSpike else 1  # LossSpike 2: the spread across ranks
+    version = 3 if cls is LossSpike else 1  # LossSpike 3: the job's step losses
     assert state["version"] == version and state["detector"] == cls.__name__
     det.load_state_dict(json.loads(json.dumps(state)))
     with pytest.raises(ValueError, match=rf"state\['version'\] must be {version}"):
@@ -108,6 +108,8 @@ class Job:
         return max((s for end, s in self.ends if end <= t), default=None)
 
     metrics: dict[int, dict[str, Any]] = attrs.field(factory=dict)
+    # (step, loss) of each rank's steps since its last heartbeat, as the sender keeps
+    unsent: dict[int, list[tuple[int, float]]] = attrs.field(factory=dict)
 
     @property
     def now(self) -> float:
@@ -157,10 +159,13 @@ class Job:
             times[r] = self.busy * f * rng.uniform(0.97, 1.03)
         step_time = max(times.values()) + 0.005
         loss = 3.0 * math.exp(-step / 300)
+        if self.nan_at is not None and step >= self.nan_at:
+            loss = math.nan
         for r in range(self.ranks):
+            self.unsent.setdefault(r, []).append((step, loss))
             self.metrics[r] = {
                 "step": step,
-                "loss": math.nan if self.nan_at is not None and step >= self.nan_at else loss,
+                "loss": loss,
                 "tokens_per_s": 4096 / step_time,
                 "step_time_s": step_time,
                 "wait_s": step_time - times[r],
@@ -184,8 +189,12 @@ class Job:
             sent_at=1e9 + self.now,
             status="stopping" if stopping else "running",
             phase=self.phase,
+            losses=tuple(self.unsent.pop(r, [])),
+            nonfinite_step=None,
             **self.metrics.get(r, {}),
         )
+        bad = [s for s, v in rec.losses if not math.isfinite(v)]
+        rec = attrs.evolve(rec, nonfinite_step=bad[0] if bad else None)
         wire = parse_heartbeat(json.dumps(rec.to_json()))
         for d in self.dets:
             d.observe(wire, self.now)
@@ -239,11 +248,9 @@ def test_a_nan_is_reported_at_its_step() -> None:
     job = Job(default_detectors(0.5, world_size=4), nan_at=233)
     job.run(120.0)
     nan = [f for f in job.found if f.kind == "nonfinite"]
-    # Heartbeats carry each rank's latest step: a rank reports the NaN at the first
-    # step one of its heartbeats carried, 233 or one or two after (steps of 0.2 s,
-    # beats of 0.5 s); the first finding is the earliest such step.
-    assert nan and 233 <= nan[0].step <= 235  # type: ignore[operator]
-    assert all(f.step >= nan[0].step for f in nan)  # type: ignore[operator]
+    # Steps of 0.2 s, beats of 0.5 s: a heartbeat carries the first non-finite step
+    # since the previous one, not only its latest step.
+    assert nan and {f.step for f in nan} == {233}
     assert kinds(job.found) == {"nonfinite"}
     # Within one beat every rank has reported it.
     later = [f for f in nan if f.at <= nan[0].at + 0.6]

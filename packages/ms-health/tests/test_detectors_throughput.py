@@ -104,6 +104,21 @@ def test_a_brief_dip_and_checkpoints_are_not_a_drop() -> None:
     assert all(f == [] for f in found.values())
 
 
+def test_a_drop_must_also_last_min_duration_s() -> None:
+    """Steps every 0.5 s: 5 slow steps are 2.5 s, a busy neighbour's moment; with
+    min_duration_s=10 the drop is reported once it has lasted 10 s (step 50), and
+    a dip of 15 steps (7.5 s) is not."""
+    det = ThroughputDrop(min_duration_s=10.0)
+    normal, slow = noisy(1000.0), noisy(500.0)
+    found = feed(det, range(80), lambda s, r: slow(s, r) if 10 <= s < 25 else normal(s, r))
+    assert all(f == [] for f in found.values())
+    found = feed(det, range(80, 120), lambda s, r: slow(s, r) if s >= 90 else normal(s, r))
+    # step 90 judged at 0.5 * 91 s; step k at 0.5 * (k + 1): 10 s later is step 110
+    assert all(found[s] == [] for s in range(80, 111))
+    f = found[111][0]
+    assert f.step == 110 and f.evidence["slow_s"] == 10.0 and f.evidence["slow_steps"] == 21
+
+
 def test_no_judgement_during_warmup() -> None:
     det = ThroughputDrop(warmup=10)
     found = feed(det, range(15), lambda s, r: 100.0 if s < 5 else 1000.0 if s < 9 else 10.0)
@@ -167,6 +182,7 @@ def test_a_bad_throughput_state_is_refused_naming_the_field(state: Any, field: s
         ({"fraction": 1.0}, "fraction"),
         ({"fraction": 0}, "fraction"),
         ({"patience": 0}, "patience"),
+        ({"min_duration_s": -1.0}, "min_duration_s"),
         ({"window": 0}, "window"),
         ({"warmup": 51}, "warmup"),
     ],

@@ -18,7 +18,7 @@ import pytest
 
 from ms_health.driver import Driver
 from ms_health.executor import Heartbeat
-from ms_health.record import MAX_LOG_LINE_CHARS, MAX_LOG_LINES, HeartbeatRecord
+from ms_health.record import MAX_LOG_LINE_CHARS, MAX_LOG_LINES, MAX_LOSSES, HeartbeatRecord
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _driver_support import TOKEN, Recorder, wait_until
@@ -198,6 +198,27 @@ def test_tokens_per_s_covers_the_steps_since_the_last_heartbeat(
         hb.set_phase("train")  # a heartbeat without new steps keeps the last rate
         again = latest(recorder, 0, "the next heartbeat", lambda r: r.seq > record.seq)
         assert again.tokens_per_s == record.tokens_per_s
+
+
+def test_a_heartbeat_carries_every_steps_loss_since_the_last_one(
+    driver: Driver, recorder: Recorder
+) -> None:
+    torch = pytest.importorskip("torch")
+    with Heartbeat(driver.url, TOKEN, job="j", interval_s=3600) as hb:
+        hb.set_phase("train")
+        for step in range(5):
+            hb.step(step, loss=torch.tensor(2.0 + step))  # a tensor, read on the sender
+        hb.step(5)  # no loss: nothing to carry
+        hb.set_phase("other")
+        first = latest(recorder, 0, "step 5", lambda r: r.step == 5)
+        for step in range(6, 6 + MAX_LOSSES + 10):
+            hb.step(step, loss=float(step))
+        hb.set_phase("train")
+        second = latest(recorder, 0, "the next steps", lambda r: r.seq > first.seq)
+    assert first.losses == tuple((s, 2.0 + s) for s in range(5))
+    # no step twice, and the newest MAX_LOSSES when more came
+    newest = range(16, 6 + MAX_LOSSES + 10)
+    assert second.losses == tuple((s, float(s)) for s in newest)
 
 
 def test_a_connection_the_driver_closed_while_idle_is_replaced_without_a_failure(

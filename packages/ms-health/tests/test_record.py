@@ -18,6 +18,7 @@ from ms_health.record import (
     MAX_BODY_BYTES,
     MAX_LOG_LINE_CHARS,
     MAX_LOG_LINES,
+    MAX_LOSSES,
     HeartbeatRecord,
     RecordError,
     StackDump,
@@ -51,13 +52,15 @@ def test_a_full_heartbeat_parses_field_for_field() -> None:
         hardware={"cpu_cores": 2},
         logs=["WARNING x: NCCL timeout"],
         restart=3,
-        nonfinite_step=None,
+        nonfinite_step=11,
+        losses=[[10, 2.75], [11, "nan"], [12, 2.5]],
     )
     record = parse_heartbeat(json.dumps(body).encode())
     assert record.rank == 1 and record.step == 12 and record.loss == 2.5
     assert record.mesh == {"dp": 1, "tp": 0} and record.logs == ("WARNING x: NCCL timeout",)
     assert record.last_op == {"name": "all_reduce", "kind": "wait_begin", "t": 4.0, "bytes": 8}
-    assert record.restart == 3
+    assert record.restart == 3 and record.nonfinite_step == 11
+    assert [s for s, _ in record.losses] == [10, 11, 12] and math.isnan(record.losses[1][1])
     assert record.to_json() == body
 
 
@@ -65,6 +68,7 @@ def test_optional_fields_default() -> None:
     record = parse_heartbeat(heartbeat_body())
     assert record.step is None and record.loss is None and record.last_op is None
     assert record.mesh == {} and record.logs == () and record.restart == 0
+    assert record.losses == ()
 
 
 @pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf])
@@ -99,6 +103,14 @@ BAD_HEARTBEAT_FIELDS = [
     ("step", 1.5, "heartbeat.step must be an int"),
     ("loss", "lots", 'heartbeat.loss must be a number, "nan", "inf" or "-inf"'),
     ("loss", False, "heartbeat.loss must be a number"),
+    ("losses", {"1": 2.0}, f"heartbeat.losses must be a list of <= {MAX_LOSSES} [step, loss]"),
+    ("losses", [[1, 2.0]] * (MAX_LOSSES + 1), "heartbeat.losses must be a list of <="),
+    ("losses", [[1, 2.0], [2]], "heartbeat.losses[1] must be a [step, loss] pair"),
+    ("losses", [[1.5, 2.0]], "heartbeat.losses[0] must be a [step, loss] pair with an int"),
+    ("losses", [[-1, 2.0]], "heartbeat.losses[0] must be a [step, loss] pair with an int"),
+    ("losses", [[True, 2.0]], "heartbeat.losses[0] must be a [step, loss] pair with an int"),
+    ("losses", [[3, None]], "heartbeat.losses[0] must be a [step, loss] pair with a loss"),
+    ("losses", [[3, "lots"]], 'heartbeat.losses[0].loss must be a number, "nan"'),
     ("tokens_per_s", -1.0, "heartbeat.tokens_per_s must be a number >= 0.0"),
     ("tokens_per_s", math.nan, "heartbeat.tokens_per_s must be a finite number"),
     ("step_time_s", "1", "heartbeat.step_time_s must be a finite number"),

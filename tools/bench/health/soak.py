@@ -62,11 +62,11 @@ committed must still be committed at the end, and each is verified (``ms-ckpt
 inspect``: manifest and every record's checksum). Lost = seen but missing or damaged
 (target 0).
 
-**False alarms** (``--no-faults --contention``, or any run): ``finding`` events of kind
-crash, hang, nonfinite or straggler and ``order``/``rollback`` events with no fault
-to explain them (target 0). A fault explains what comes from when it was applied to
-15 s after its recovery (a slow rank: after its last slow step). Loss-spike and
-throughput findings are counted, not judged. ``--contention`` runs ``--burners`` Python
+**False alarms** (``--no-faults --contention``, or any run): ``finding`` events of any
+kind (crash, hang, nonfinite, loss_spike, throughput, straggler) and
+``order``/``rollback`` events with no fault to explain them (target 0). A fault
+explains what comes from when it was applied to 15 s after its recovery (a slow rank:
+after its last slow step). ``--contention`` runs ``--burners`` Python
 busy loops beside the job for the whole soak, at the job's own priority (under
 ``nice``, both).
 
@@ -136,7 +136,7 @@ EXPECTED = {
     "nan": ("nonfinite",),
     "slow": ("straggler",),
 }
-ALARMS = ("crash", "hang", "nonfinite", "straggler")
+ALARMS = ("crash", "hang", "nonfinite", "straggler", "loss_spike", "throughput")
 SETTLE_MAX_S = 120.0  # the longest a due fault waits for the last one's recovery
 EXPLAINED_S = 15.0  # findings this long after a fault's recovery are still its own
 #: The recovery timeline's milestones, in the order a restart passes them.
@@ -611,8 +611,8 @@ def report(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, Any]:
     )
     print(f"findings and actions: {found['counts']}")
     print(
-        f"unexplained alarms (crash, hang, nonfinite, straggler findings, orders, rollbacks "
-        f"no fault explains): {len(found['unexplained'])}; target 0"
+        f"unexplained alarms (findings of any kind, orders, rollbacks no fault explains): "
+        f"{len(found['unexplained'])}; target 0"
     )
     for u in found["unexplained"][:20]:
         print(f"  at {u['s']:.1f} s {u['kind']} ranks {u['ranks']}: {u['message'][:160]}")

@@ -39,6 +39,7 @@ from ms_health.record import (
     MAX_BODY_BYTES,
     MAX_LOG_LINE_CHARS,
     MAX_LOG_LINES,
+    MAX_LOSSES,
     STATUSES,
     HeartbeatRecord,
     StackDump,
@@ -165,12 +166,13 @@ class Heartbeat:
         self._phase = "init"
         self._step: Any = None
         self._loss: Any = None
-        # (step, loss) of every step since the last heartbeat (bounded), converted on
-        # the sender's thread: a NaN is reported with the step it first appeared at,
-        # not the step the next heartbeat happens to carry.
         #: The driver's last view of the job (``{"heard", "world", "open"}``), from the
         #: reply to a heartbeat; empty before the first.
         self.job_view: dict[str, Any] = {}
+        # (step, loss) of every step since the last heartbeat (bounded), converted on
+        # the sender's thread: a NaN is reported with the step it first appeared at,
+        # not the step the next heartbeat happens to carry, and the driver sees every
+        # step's loss of every rank.
         self._losses: deque[tuple[Any, Any]] = deque(maxlen=1024)
         self._step_time: float | None = None
         self._step_t: float | None = None  # perf_counter at the last step()
@@ -474,6 +476,7 @@ class Heartbeat:
             self._window_tokens = self._window_s = 0.0
             tokens_per_s = self._tokens_per_s
         logs, last_log = self._tap.since(self._log_sent)
+        losses = [(step, _as_float(loss)) for step, loss in losses]  # one sync each
         record = HeartbeatRecord(
             job=self.job,
             rank=self.rank,
@@ -489,6 +492,7 @@ class Heartbeat:
             step=_as_step(step),
             loss=_as_float(loss),
             nonfinite_step=_first_nonfinite(losses),
+            losses=_step_losses(losses),
             tokens_per_s=_as_rate(tokens_per_s),
             step_time_s=_as_rate(step_time),
             step_at=None if step_t is None else time.time() - (time.perf_counter() - step_t),
@@ -633,6 +637,16 @@ def _first_nonfinite(losses: list[tuple[Any, Any]]) -> int | None:
         if value is not None and not math.isfinite(value):
             return _as_step(step)
     return None
+
+
+def _step_losses(losses: list[tuple[Any, Any]]) -> tuple[tuple[int, float], ...]:
+    """The newest :data:`MAX_LOSSES` of ``losses`` that are a step and a number."""
+    out = []
+    for step, loss in losses[-MAX_LOSSES:]:
+        s, value = _as_step(step), _as_float(loss)
+        if s is not None and value is not None:
+            out.append((s, value))
+    return tuple(out)
 
 
 def _as_rate(x: Any) -> float | None:

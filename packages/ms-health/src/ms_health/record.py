@@ -22,6 +22,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "MAX_LOG_LINES",
     "MAX_LOG_LINE_CHARS",
+    "MAX_LOSSES",
     "PHASES",
     "STATUSES",
     "AgentReport",
@@ -40,6 +41,9 @@ MAX_BODY_BYTES = 256 * 1024
 #: Recent warning/error log lines a heartbeat carries, and how long each may be.
 MAX_LOG_LINES = 20
 MAX_LOG_LINE_CHARS = 500
+#: Losses of the steps since the previous heartbeat that one heartbeat carries (the
+#: newest; a sender beating every second keeps all of them up to 256 steps/s).
+MAX_LOSSES = 256
 #: Phases a training loop reports; detectors keep a timeout per phase.
 PHASES = ("init", "train", "checkpoint", "eval", "shutdown")
 #: ``running``: the loop reports; ``stopping``: it is ending on purpose (a signal, the
@@ -80,6 +84,10 @@ class HeartbeatRecord:
     #: The first step since the previous heartbeat whose loss was NaN or inf (the loop
     #: reports every step's loss; ``loss`` is only the newest), or None.
     nonfinite_step: int | None = None
+    #: ``(step, loss)`` of every step since the previous heartbeat, oldest first (at
+    #: most :data:`MAX_LOSSES`, the newest): ranks beat at different steps, so the
+    #: driver needs them all to see each step's loss over the whole job.
+    losses: tuple[tuple[int, float], ...] = ()
     tokens_per_s: float | None = None
     #: Wall seconds of the last step, and when it ended (sender clock).
     step_time_s: float | None = None
@@ -108,6 +116,7 @@ class HeartbeatRecord:
     def to_json(self) -> dict[str, Any]:
         body = attrs.asdict(self, recurse=False)
         body["loss"] = _encode_float(self.loss)
+        body["losses"] = [[step, _encode_float(loss)] for step, loss in self.losses]
         body["logs"] = list(self.logs)
         body["mesh"] = dict(self.mesh)
         body["hardware"] = dict(self.hardware)
@@ -158,6 +167,7 @@ def parse_heartbeat(body: bytes | str | Mapping[str, Any]) -> HeartbeatRecord:
         step=r.integer("step", low=0, optional=True),
         loss=r.loss("loss"),
         nonfinite_step=r.integer("nonfinite_step", low=0, optional=True),
+        losses=r.step_losses("losses"),
         tokens_per_s=r.number("tokens_per_s", optional=True, low=0.0),
         step_time_s=r.number("step_time_s", optional=True, low=0.0),
         step_at=r.number("step_at", optional=True),
@@ -277,6 +287,24 @@ class _Reader:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise self._bad(name, 'a number, "nan", "inf" or "-inf"', v)
         return float(v)
+
+    def step_losses(self, name: str) -> tuple[tuple[int, float], ...]:
+        v = self._get(name, True)
+        if v is None:
+            return ()
+        if not isinstance(v, list) or len(v) > MAX_LOSSES:
+            raise self._bad(name, f"a list of <= {MAX_LOSSES} [step, loss] pairs", v)
+        out = []
+        for i, pair in enumerate(v):
+            ok = isinstance(pair, list) and len(pair) == 2
+            step, loss = pair if ok else (None, None)
+            if not ok or isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise self._bad(f"{name}[{i}]", "a [step, loss] pair with an int step >= 0", pair)
+            value = _Reader({"loss": loss}, f"{self.what}.{name}[{i}]").loss("loss")
+            if value is None:
+                raise self._bad(f"{name}[{i}]", "a [step, loss] pair with a loss", pair)
+            out.append((step, value))
+        return tuple(out)
 
     def choice(self, name: str, choices: tuple[str, ...]) -> str:
         v = self._get(name, False)

@@ -64,7 +64,8 @@ def default_detectors(interval_s: float, *, world_size: int | None = None) -> li
     - :class:`LossSpike`: 6 robust deviations above the median of the last 50 steps,
       after 20.
     - :class:`ThroughputDrop`: below 0.7 x the median of the last 50 normal steps for
-      5 consecutive steps, after 10.
+      5 consecutive steps and 30 s, after 10 (4 ranks sharing 2 cores with two busy
+      processes dipped to 0.69x for 5 steps, a few seconds, in a 10-minute soak).
     - :class:`Straggler`: busy time above 1.35 x the peers' median in 3 consecutive
       windows of 3 steps: a rank slowed 1.5x is flagged within 10 steps, while the
       jitter of 4 ranks sharing 2 CPU cores (up to 1.4x over two windows seen) is not.
@@ -75,6 +76,6 @@ def default_detectors(interval_s: float, *, world_size: int | None = None) -> li
         Hang(min_timeout_s=max(2.0, 4 * interval)),
         NonFiniteLoss(),
         LossSpike(),
-        ThroughputDrop(),
+        ThroughputDrop(min_duration_s=30.0),
         Straggler(threshold=1.35, windows=3),
     ]

@@ -3,6 +3,7 @@ outbox that holds findings until the driver's next check."""
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -248,45 +249,84 @@ class StepBins:
     ranks' heartbeats only, and one rank may repeat it (a heartbeat between two steps:
     counted once). Ranks of a synchronous job are within a step of each other, so a
     bin is complete once some rank has reported step ``(bin + 1) * width + lag``;
-    a later value for it is dropped. A new process of a rank (another pid) reporting
-    a step behind the job's front means the job restarted from a checkpoint: the open
-    bins are dropped and counting starts over.
+    a later value for it is dropped. With ``wait_all``, for values that heartbeats
+    carry for every step (each rank reports all its steps since its last heartbeat,
+    at its own moment), a bin is also complete once every rank seen has reported its
+    last step, and ``lag`` only bounds the wait for a rank that went quiet.
+
+    A new process of a rank (another pid) reporting a step behind the job's front
+    means the job restarted from a checkpoint: the open bins are dropped and counting
+    starts over.
     """
 
-    def __init__(self, width: int = 1, lag: int = 0) -> None:
-        self.width, self.lag = width, lag
+    def __init__(self, width: int = 1, lag: int = 0, *, wait_all: bool = False) -> None:
+        self.width, self.lag, self.wait_all = width, lag, wait_all
         self._bins: dict[int, dict[int, list[float]]] = {}
         self._last: dict[int, tuple[int, int]] = {}  # rank -> (pid, step)
+        # (step, rank) of every rank's last step, the lowest first; an entry whose
+        # rank has moved on since is stale and skipped (wait_all only)
+        self._behind: list[tuple[int, int]] = []
         self._front: int | None = None  # the highest step reported
         self._closed_below = 0  # bins below this one were handed back
 
     def add(self, rank: int, pid: int, step: int, value: float) -> Added:
-        prev = self._last.get(rank)
-        if prev == (pid, step):
-            return Added(False)
-        rewound = False
-        if prev is not None and prev[0] != pid and self._front is not None and step < self._front:
-            self.reset()
-            rewound = True
-        self._last[rank] = (pid, step)
-        b = step // self.width
-        if b < self._closed_below:
-            return Added(False, rewound=rewound)
-        self._bins.setdefault(b, {}).setdefault(rank, []).append(value)
-        if self._front is None or step > self._front:
-            self._front = step
+        return self.add_many(rank, pid, ((step, value),))
+
+    def add_many(self, rank: int, pid: int, values: Iterable[tuple[int, float]]) -> Added:
+        """Values of one rank's consecutive steps, oldest first (one heartbeat's)."""
+        accepted = rewound = False
+        for step, value in values:
+            prev = self._last.get(rank)
+            if prev == (pid, step):
+                continue
+            front = self._front
+            if prev is not None and prev[0] != pid and front is not None and step < front:
+                self.reset()
+                rewound = True
+            self._last[rank] = (pid, step)
+            if self.wait_all:
+                heapq.heappush(self._behind, (step, rank))
+            if self._front is None or step > self._front:
+                self._front = step
+            b = step // self.width
+            if b >= self._closed_below:
+                self._bins.setdefault(b, {}).setdefault(rank, []).append(value)
+                accepted = True
+        if len(self._behind) > 4 * len(self._last) + 1024:  # a quiet rank holds the top
+            self._behind = [(step, r) for r, (_, step) in self._last.items()]
+            heapq.heapify(self._behind)
+        return Added(accepted, self._close(), rewound)
+
+    def _close(self) -> list[tuple[int, dict[int, list[float]]]]:
+        if self._front is None:
+            return []
+        everyone = self._everyone_through()
         closed = []
         for k in sorted(self._bins):
-            if (k + 1) * self.width + self.lag > self._front:
+            end = (k + 1) * self.width - 1  # the bin's last step
+            if end + 1 + self.lag > self._front and (everyone is None or end > everyone):
                 break
             closed.append((k, self._bins.pop(k)))
             self._closed_below = k + 1
-        return Added(True, closed, rewound)
+        return closed
+
+    def _everyone_through(self) -> int | None:
+        """The step that every rank seen has reported (wait_all), else None."""
+        if not self.wait_all:
+            return None
+        while self._behind:
+            step, rank = self._behind[0]
+            last = self._last.get(rank)
+            if last is not None and last[1] == step:
+                return step
+            heapq.heappop(self._behind)  # stale: the rank moved on or was reset
+        return None
 
     def reset(self, ranks: set[int] | None = None) -> None:
         if ranks is None:
             self._bins.clear()
             self._last.clear()
+            self._behind.clear()
             self._front, self._closed_below = None, 0
             return
         for rank in ranks:

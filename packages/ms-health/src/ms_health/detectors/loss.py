@@ -22,12 +22,12 @@ from ms_health.detectors._common import (
     rank_set,
 )
 from ms_health.findings import Finding
-from ms_health.record import HeartbeatRecord
+from ms_health.record import MAX_LOSSES, HeartbeatRecord
 
 __all__ = ["LossSpike", "NonFiniteLoss"]
 
 _VERSION = 1
-_SPIKE_VERSION = 2
+_SPIKE_VERSION = 3
 #: Spikes kept open at most; a loss that diverges spikes at every step and the oldest
 #: give way (each is still returned by one check).
 _MAX_SPIKES = 16
@@ -101,21 +101,24 @@ class NonFiniteLoss:
 
 
 class LossSpike:
-    """Reports a step whose loss is far above the job's recent losses (kind
+    """Reports a step whose loss over the whole job is far above its recent past (kind
     ``"loss_spike"``), once per step whatever the number of ranks.
 
-    The history is the median over ranks of each of the last ``window`` steps. Once it
-    holds ``warmup`` steps, each rank's loss at a new step is scored against it:
-    ``(loss - median) / scale``. One rank's loss strays from the job's curve in two
-    ways, both noise: the curve moves from step to step, and each rank's batch is
-    easier or harder than the others' of the same step. So ``scale`` combines the
-    history's median absolute deviation with that of the ranks' losses around their
-    step's median over the same steps (each scaled to a standard deviation, added in
-    quadrature), and is at least ``rel_floor`` x |median| (a flat loss curve would
-    otherwise turn noise into spikes). A score above ``threshold`` is a spike of that
-    step; the finding names the ranks whose loss spiked and is reported until a later
-    step's loss is back below the threshold. Both histories are the state that
-    checkpoints.
+    A step's loss is the median of its ranks' losses: heartbeats carry every step's
+    loss since the previous one, and a step is scored once every rank has reported it
+    (or ``lag`` steps later, for a rank that went quiet). Each rank's loss is that of
+    its own micro-batches, and one rank's hard batch at 3x the median is common in a
+    heavy-tailed loss; it is no spike of the run, and it does not move the median of
+    its peers. A divergence moves every rank's.
+
+    The history is the step losses of the last ``window`` steps. Once it holds
+    ``warmup`` steps, a step's loss scores ``(loss - median) / scale``, where
+    ``scale`` is the history's median absolute deviation (scaled to a standard
+    deviation), at least ``rel_floor`` x |median| (a flat loss curve would otherwise
+    turn noise into spikes). A score above ``threshold`` is a spike. The finding
+    names the ranks whose own loss scored above the threshold (all that reported the
+    step when none did alone) and is reported until a later step is back below it.
+    The history is the state that checkpoints.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class LossSpike:
         window: int = 50,
         warmup: int = 20,
         rel_floor: float = 0.01,
+        lag: int = MAX_LOSSES,
         name: str = "loss_spike",
     ) -> None:
         self.name = detector_name(name)
@@ -134,106 +138,86 @@ class LossSpike:
         if self.warmup > self.window:
             raise ValueError(f"warmup must be <= window ({self.window}), got {warmup!r}")
         self.rel_floor = number("rel_floor", rel_floor, low=0.0, strict=False)
+        self.lag = integer("lag", lag, low=0)
         self._history: deque[float] = deque(maxlen=self.window)
-        # |loss - its step's median| of every rank, over the same steps as the history
-        self._spread: deque[tuple[float, ...]] = deque(maxlen=self.window)
-        self._bins = StepBins()
-        # step -> (median, mad, scale) of the history when the step first showed up
-        self._baselines: dict[int, tuple[float, float, float] | None] = {}
-        # step -> {rank: (loss, score)} of the ranks whose loss spiked, and when first
-        self._spikes: dict[int, tuple[float, dict[int, tuple[float, float]]]] = {}
+        self._bins = StepBins(lag=self.lag, wait_all=True)
+        # step -> finding of the steps that spiked and are not over yet
+        self._spikes: dict[int, Finding] = {}
         self._outbox = Outbox()
 
     def observe(self, record: HeartbeatRecord, now: float) -> None:
-        loss, step = record.loss, record.step
-        if loss is None or step is None or not math.isfinite(loss):
-            return  # a non-finite loss is NonFiniteLoss's; it must not enter the history
-        added = self._bins.add(record.rank, record.pid, step, loss)
+        if record.losses:
+            pairs = [(s, v) for s, v in record.losses if math.isfinite(v)]
+        elif record.step is not None and record.loss is not None:  # a sender before 0.3
+            pairs = [(record.step, record.loss)] if math.isfinite(record.loss) else []
+        else:
+            return
+        # A non-finite loss is NonFiniteLoss's; it must not enter the history.
+        added = self._bins.add_many(record.rank, record.pid, pairs)
         if added.rewound:
             self._forget_live()
-        for closed, per_rank in added.closed:
-            self._close(closed, per_rank)
-        if not added.accepted:
+        for step, per_rank in added.closed:
+            self._close(step, per_rank, now)
+
+    def _close(self, step: int, per_rank: dict[int, list[float]], now: float) -> None:
+        losses = {r: values[-1] for r, values in per_rank.items() if values}
+        if not losses:
             return
-        if step not in self._baselines:
-            self._baselines[step] = self._baseline()
-        base = self._baselines[step]
-        if base is not None:
-            score = (loss - base[0]) / base[2]
-            if score > self.threshold:
-                self._spike(step, record.rank, loss, score, base, now)
-
-    def _baseline(self) -> tuple[float, float, float] | None:
-        if len(self._history) < self.warmup:
-            return None
-        med, mad = median_mad(self._history)
-        apart = [d for step in self._spread for d in step]
-        across = median(apart) if apart else 0.0
-        noise = MAD_TO_SIGMA * math.hypot(mad, across)
-        # The floor of 1e-12 keeps a loss of exactly 0 from dividing by zero.
-        return med, mad, max(noise, self.rel_floor * abs(med), 1e-12)
-
-    def _spike(
-        self,
-        step: int,
-        rank: int,
-        loss: float,
-        score: float,
-        base: tuple[float, float, float],
-        now: float,
-    ) -> None:
-        at, ranks = self._spikes.setdefault(step, (now, {}))
-        ranks[rank] = (loss, score)
-        worst = max(s for _, s in ranks.values())
-        self._outbox.put(
-            step,
-            Finding(
-                detector=self.name,
-                kind="loss_spike",
-                ranks=tuple(sorted(ranks)),
-                message=(
-                    f"loss {max(v for v, _ in ranks.values()):.4g} at step {step} on rank(s) "
-                    f"{sorted(ranks)}: {worst:.1f} robust deviations above the median "
-                    f"{base[0]:.4g} of the last {len(self._history)} steps "
-                    f"(threshold {self.threshold:g})"
-                ),
-                evidence={
-                    "losses": listed({r: v for r, (v, _) in ranks.items()}),
-                    "scores": listed({r: round(s, 3) for r, (_, s) in ranks.items()}),
-                    "median": base[0],
-                    "mad": base[1],
-                    "scale": base[2],
-                    "threshold": self.threshold,
-                    "history_steps": len(self._history),
-                },
-                at=at,
-                step=step,
+        loss = median(losses.values())
+        base, steps = self._baseline(), len(self._history)
+        self._history.append(loss)
+        if base is None:
+            return
+        med, mad, scale = base
+        if (loss - med) / scale <= self.threshold:
+            # The loss is back to normal: earlier spikes are over.
+            for spiked in [s for s in self._spikes if s < step]:
+                del self._spikes[spiked]
+                self._outbox.clear(spiked)
+            return
+        scores = {r: (v - med) / scale for r, v in losses.items()}
+        named = [r for r, s in scores.items() if s > self.threshold] or list(losses)
+        finding = Finding(
+            detector=self.name,
+            kind="loss_spike",
+            ranks=tuple(sorted(named)),
+            message=(
+                f"loss {loss:.4g} at step {step} (median of {len(losses)} rank(s)) is "
+                f"{(loss - med) / scale:.1f} robust deviations above the median {med:.4g} "
+                f"of the last {steps} steps (threshold "
+                f"{self.threshold:g}); highest on rank(s) {sorted(named)}"
             ),
+            evidence={
+                "step_loss": loss,
+                "losses": listed(losses, first=named),
+                "scores": listed({r: round(s, 3) for r, s in scores.items()}, first=named),
+                "median": med,
+                "mad": mad,
+                "scale": scale,
+                "threshold": self.threshold,
+                "history_steps": steps,
+            },
+            at=now,
+            step=step,
         )
+        self._spikes[step] = finding
+        self._outbox.put(step, finding)
         if len(self._spikes) > _MAX_SPIKES:
             oldest = min(self._spikes)
             del self._spikes[oldest]
             self._outbox.clear(oldest)
 
-    def _close(self, step: int, per_rank: dict[int, list[float]]) -> None:
-        base = self._baselines.pop(step, None)
-        losses = [v for values in per_rank.values() for v in values]
-        if not losses:
-            return
-        med = median(losses)
-        self._history.append(med)
-        self._spread.append(tuple(abs(v - med) for v in losses))
-        if base is not None and (med - base[0]) / base[2] <= self.threshold:
-            # The loss is back to normal: earlier spikes are over.
-            for spiked in [s for s in self._spikes if s < step]:
-                del self._spikes[spiked]
-                self._outbox.clear(spiked)
+    def _baseline(self) -> tuple[float, float, float] | None:
+        if len(self._history) < self.warmup:
+            return None
+        med, mad = median_mad(self._history)
+        # The floor of 1e-12 keeps a loss of exactly 0 from dividing by zero.
+        return med, mad, max(MAD_TO_SIGMA * mad, self.rel_floor * abs(med), 1e-12)
 
     def check(self, now: float) -> list[Finding]:
         return self._outbox.collect()
 
     def _forget_live(self) -> None:
-        self._baselines.clear()
         self._spikes.clear()
         self._outbox.drop_all()
 
@@ -244,32 +228,19 @@ class LossSpike:
             self._forget_live()
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"version", "detector", "history": [per-step median loss, oldest first],
-        "spread": [[|rank loss - its step's median|, ...] per step]}``."""
+        """``{"version", "detector", "history": [step loss, oldest first]}``."""
         return {
             "version": _SPIKE_VERSION,
             "detector": type(self).__name__,
             "history": list(self._history),
-            "spread": [list(step) for step in self._spread],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Formats 2 and 1 (0.1.0's, without the spread: it refills as steps close)."""
-        old = isinstance(state, Mapping) and state.get("version") == 1
-        reader = StateReader(state, type(self).__name__, 1 if old else _SPIKE_VERSION)
+        """Format 3, and 0.1's and 0.2's (1 and 2: the history is read, 2's spread of
+        ranks' losses around each step's median is not used any more)."""
+        version = state.get("version") if isinstance(state, Mapping) else None
+        old = version if version in (1, 2) and not isinstance(version, bool) else None
+        reader = StateReader(state, type(self).__name__, old or _SPIKE_VERSION)
         # A history saved with a longer window is honoured by its most recent steps.
         history = reader.numbers("history", limit=_MAX_SAVED)
-        spread: list[tuple[float, ...]] = []
-        if not old:
-            raw = reader.get("spread")
-            if not isinstance(raw, list) or len(raw) > _MAX_SAVED:
-                raise reader.bad("'spread'", f"a list of at most {_MAX_SAVED} lists", raw)
-            for i, step in enumerate(raw):
-                if not isinstance(step, list) or not all(
-                    isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d < math.inf
-                    for d in step
-                ):
-                    raise reader.bad(f"'spread'][{i}", "a list of finite numbers >= 0", step)
-                spread.append(tuple(float(d) for d in step))
         self._history = deque(history[-self.window :], maxlen=self.window)
-        self._spread = deque(spread[-self.window :], maxlen=self.window)

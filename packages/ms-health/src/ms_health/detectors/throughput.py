@@ -14,6 +14,7 @@ from ms_health.detectors._common import (
     detector_name,
     integer,
     median,
+    number,
     rank_set,
 )
 from ms_health.detectors._common import fraction as check_fraction
@@ -29,7 +30,10 @@ _KEY = "drop"
 
 class ThroughputDrop:
     """Reports when the job's tokens/s stays below ``fraction`` of its baseline for
-    ``patience`` consecutive steps (kind ``"throughput"``, job-wide: no ranks).
+    ``patience`` consecutive steps and at least ``min_duration_s`` seconds (kind
+    ``"throughput"``, job-wide: no ranks). The time is the driver's, from when it
+    judged the first slow step: with fast steps, a few steps are a moment (a busy
+    neighbour process taking a larger share of the cores for a few seconds).
 
     The job's figure for a step is the mean ``tokens_per_s`` of the ranks that
     reported it (a mean per rank, so that a rank that reports less often weighs
@@ -47,6 +51,7 @@ class ThroughputDrop:
         patience: int = 5,
         window: int = 50,
         warmup: int = 10,
+        min_duration_s: float = 0.0,
         name: str = "throughput_drop",
     ) -> None:
         self.name = detector_name(name)
@@ -54,12 +59,14 @@ class ThroughputDrop:
         self.patience = integer("patience", patience, low=1)
         self.window = integer("window", window, low=1)
         self.warmup = integer("warmup", warmup, low=1)
+        self.min_duration_s = number("min_duration_s", min_duration_s, low=0.0, strict=False)
         if self.warmup > self.window:
             raise ValueError(f"warmup must be <= window ({self.window}), got {warmup!r}")
         self._history: deque[float] = deque(maxlen=self.window)
         self._bins = StepBins()
         # The current run of slow steps: how many, and the last few.
         self._slow_steps = 0
+        self._slow_since = 0.0  # driver time the first slow step of the run was judged
         self._slow: deque[tuple[int, float]] = deque(maxlen=self.patience)
         self._outbox = Outbox()
 
@@ -88,9 +95,12 @@ class ThroughputDrop:
             self._history.append(value)
             self._outbox.clear(_KEY)
             return
+        if self._slow_steps == 0:
+            self._slow_since = now
         self._slow_steps += 1
         self._slow.append((step, value))
-        if self._slow_steps < self.patience:
+        lasted = now - self._slow_since
+        if self._slow_steps < self.patience or lasted < self.min_duration_s:
             return
         self._outbox.put(
             _KEY,
@@ -101,7 +111,7 @@ class ThroughputDrop:
                 message=(
                     f"tokens/s per rank {value:.4g} at step {step} is {value / base:.2f} x "
                     f"the baseline {base:.4g}, below {self.fraction:g} for "
-                    f"{self._slow_steps} consecutive steps"
+                    f"{self._slow_steps} consecutive steps ({lasted:.0f} s)"
                 ),
                 evidence={
                     "tokens_per_s": value,
@@ -110,6 +120,7 @@ class ThroughputDrop:
                     "ratio": round(value / base, 4) if base > 0 else None,
                     "fraction": self.fraction,
                     "slow_steps": self._slow_steps,
+                    "slow_s": round(lasted, 3),
                     "recent": [[s, v] for s, v in self._slow],
                 },
                 at=now,
