@@ -23,6 +23,7 @@ an expected error.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -170,6 +171,9 @@ def launch(
     # the health side refuses, a signal, an error).
     health: Any = None
     previous: dict[int, Any] = {}
+    # `kill -USR1 <launcher pid>` prints the launcher's threads (the elastic agent's
+    # included) as it does a rank's: where a job that does not end is waiting.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     try:
         if "OMP_NUM_THREADS" not in os.environ:
             # One share of the cores per rank (the agent would otherwise force 1, with a warning).
@@ -237,6 +241,7 @@ def launch(
             health.stop()
         for s, prev in previous.items():
             signal.signal(s, prev)
+        faulthandler.unregister(signal.SIGUSR1)
         for name in ours:
             os.environ.pop(name, None)
         shutil.rmtree(folder, ignore_errors=True)

@@ -205,6 +205,16 @@ def main(argv: list[str]) -> int:
     return int(run_rank(config, 1e9, trainer_cls=FaultyTrainer))
 
 
+def _proc_state(pid: int) -> str:
+    """A process's state letter and the kernel function it sleeps in, from /proc."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "-"
+    except OSError:
+        return "gone"
+    return f"{state} {wchan}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -240,20 +250,38 @@ class Job:
                 raise TimeoutError(f"rank {rank}: no single live process in {timeout:g} s: {pids}")
             time.sleep(0.05)
 
+    #: The job's processes and their states when :meth:`wait` timed out, else "".
+    stuck = ""
+
     def output(self) -> str:
-        return "\n".join(log.read_text("utf-8", "replace") for log in self.logs)
+        """The launchers' output, then what :meth:`wait` found stuck and the stacks
+        that ranks wrote to files."""
+        parts = [log.read_text("utf-8", "replace") for log in self.logs]
+        if self.stuck:
+            parts.append(self.stuck)
+            for dump in sorted(self.out.glob("health/dumps/*/rank-*.stacks")):
+                parts.append(f"--- {dump}:\n{dump.read_text('utf-8', 'replace')[-20000:]}")
+        return "\n".join(parts)
 
     def wait(self, timeout: float) -> list[int | None]:
-        """Wait for the launchers to exit; a launcher still running after ``timeout`` has
-        its ranks asked for their stacks (SIGUSR1) and is then killed. Exit codes."""
+        """Wait for the launchers to exit; exit codes. When one is still running after
+        ``timeout``, every process of the job is listed with its state into
+        :attr:`stuck` and asked for its stacks (SIGUSR1: ranks and launchers print every
+        thread's), and then the job is killed: :meth:`output` says who was stuck where."""
+        from ms_testing.jobs import tagged_processes
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.running_any():
             time.sleep(0.1)
         if self.running_any():
-            for pids in self.rank_pids().values():
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGUSR1)
+            alive = tagged_processes(self.tag)
+            lines = [f"still running after {timeout:g} s:"]
+            for pid, cmd in sorted(alive.items()):
+                lines.append(f"  pid {pid} [{_proc_state(pid)}] {cmd[:200]}")
+            self.stuck = "\n".join(lines)
+            for pid in [*alive, *(p.pid for p in self.launchers if p.poll() is None)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
             time.sleep(2)
         self.kill()
         return [p.returncode for p in self.launchers]
