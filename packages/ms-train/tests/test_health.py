@@ -227,6 +227,36 @@ def test_a_node_failing_its_diagnostics_is_blocklisted_and_the_job_stops(
     assert f"ms-health blocklist --file {blocklist} remove {host}" in err[0]
 
 
+@pytest.mark.timeout(600)
+def test_a_stop_while_the_ranks_of_two_nodes_start_up_ends_the_job_without_a_restart(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """SIGTERM to both launchers as soon as all four ranks exist (importing, joining
+    the process group). A rank killed by it would make its elastic agent restart the
+    ranks, and an agent whose ranks had stopped well would wait in its exit barrier for
+    one waiting in a new rendezvous. Every rank instead starts, trains a step and stops
+    with the others: both launchers give the account, and no rank is restarted."""
+    job = Job(tmp_path, corpus, 3000)
+    deadline = time.monotonic() + DEADLINE
+    while len(ranks := job.rank_pids()) < 4 or any(len(p) != 1 for p in ranks.values()):
+        assert job.running_any() and time.monotonic() < deadline, job.output()
+        time.sleep(0.02)
+    for launcher in job.launchers:
+        os.kill(launcher.pid, signal.SIGTERM)
+    seen = {r: set(p) for r, p in ranks.items()}
+    while job.running_any() and time.monotonic() < deadline:
+        for r, pids in job.rank_pids().items():
+            seen.setdefault(r, set()).update(pids)
+        time.sleep(0.05)
+    codes = job.wait(max(1.0, deadline - time.monotonic()))
+    text = job.output()
+    assert codes == [128 + signal.SIGTERM] * 2, text
+    accounts = re.findall(r"ms-train: stopped at step (\d+); checkpoint step \1 committed", text)
+    assert len(accounts) == 2 and accounts[0] == accounts[1], text
+    assert all(len(pids) == 1 for pids in seen.values()), (seen, text)
+    assert not wait_gone(job.tag, timeout=60), "processes of the job were left behind"
+
+
 class OutsideDriver:
     """``ms-health driver`` as a process of its own (default detectors, the recovery
     policy), on a fixed port with a state file, so that it can die and come back."""

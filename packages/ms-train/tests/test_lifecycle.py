@@ -280,6 +280,39 @@ def test_a_signal_stops_with_a_checkpoint_and_the_rerun_continues(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_a_stop_while_the_ranks_start_up_is_a_graceful_stop(corpus: Path, tmp_path: Path) -> None:
+    """SIGTERM to the launcher as soon as its ranks exist, while they import and join
+    the process group: they do not die of it. Each starts, trains one step, and the
+    job stops there with a committed checkpoint and the usual account."""
+    out = tmp_path / "out"
+    config = _write_config(tmp_path / "c.toml", corpus, out, every=100)
+    job = _start(*_cli(config))
+    try:
+
+        def ranks_exist() -> bool:
+            tree = _descendants(job.pid)
+            return (
+                sum("ms_train.cli" in c and "torch.distributed" not in c for c in tree.values())
+                == 2
+            )
+
+        _wait_for("the ranks", ranks_exist, job)
+        os.kill(job.pid, signal.SIGTERM)
+        output, _ = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(timeout=60)
+    assert job.returncode == 128 + signal.SIGTERM, output
+    accounts = ACCOUNT.findall(output)
+    assert len(accounts) == 1 and output.count("ms-train: stopped") == 1, output
+    step = int(accounts[0][0])
+    assert 1 <= step < STEPS and _committed(out) == [step], output
+    assert "Traceback" not in output, output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_a_second_signal_stops_at_once(corpus: Path, tmp_path: Path) -> None:
     """Ctrl-C twice while the final save is held: the job ends without that save, names
     the newest committed step, exits 130 and leaves nothing."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,35 @@ def test_the_first_signal_asks_the_second_stops_at_once() -> None:
         stop.restore()
     assert signal.getsignal(signal.SIGTERM) is before
     assert signal.getsignal(signal.SIGINT) is before_int
+
+
+def test_the_launchers_stop_file_is_the_first_signal(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def at_once(first: int) -> None:
+        calls.append(first)
+        raise _AtOnce
+
+    stop_file = tmp_path / "stop"
+    stop = StopRequest(30.0, at_once, stop_file=stop_file).install()
+    try:
+        assert stop.agreed() == 0  # no file yet
+        stop_file.write_text(str(int(signal.SIGINT)))
+        assert stop.agreed() == signal.SIGINT and stop.received_at is not None
+        with pytest.raises(_AtOnce):  # a signal after it is the second: stop now
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert calls == [signal.SIGINT]
+    finally:
+        stop.restore()
+    # A signal that comes before the step has read the file is the second all the same.
+    calls.clear()
+    stop = StopRequest(30.0, at_once, stop_file=stop_file).install()
+    try:
+        with pytest.raises(_AtOnce):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert calls == [signal.SIGINT]
+    finally:
+        stop.restore()
 
 
 def test_the_account() -> None:

@@ -43,7 +43,7 @@ from typing import Any
 from ms_train import _health, _procs
 from ms_train._fail import report_failure
 from ms_train._nodes import Nodes
-from ms_train._stop import Stopped, newest_committed
+from ms_train._stop import STOP_FILE, Stopped, newest_committed
 from ms_train.config import Config
 from ms_train.errors import EXIT_USAGE, JobError
 
@@ -229,7 +229,7 @@ def launch(
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         stop_reason = None if health is None else health.stop_reason
-        sessions = _supervise(agent, signals, grace, stop_reason)
+        sessions = _supervise(agent, signals, grace, folder, stop_reason)
         _drain(sessions)
         if health is not None:
             for line in health.stop():
@@ -251,14 +251,21 @@ def _supervise(
     agent: _Agent,
     signals: list[int],
     grace: float,
+    folder: Path,
     stop_reason: Callable[[], str | None] | None = None,
 ) -> set[int]:
-    """Run the agent to its end, passing signals on to the ranks and killing ranks that
+    """Run the agent to its end, passing stops on to the ranks and killing ranks that
     outstay them; the ranks' sessions (each rank leads one). ``stop_reason``, polled:
-    a reason to stop the job as a SIGTERM would (ms-health's blocklist)."""
+    a reason to stop the job as a SIGTERM would (ms-health's blocklist).
+
+    The first stop is the stop file in ``folder`` (``ms_train._stop``), which every rank
+    reads after each step, those that start later included; a signal could kill a rank
+    that is still starting up, and its agent would restart the ranks. A second signal
+    is passed on to the ranks: to a rank that has read the file, it means stop now.
+    """
     agent.start()
     ranks: set[int] = set()
-    told: dict[int, int] = {}  # rank pid -> signals passed to it
+    told: set[int] = set()  # rank pids the second signal was passed to
     kill_at: float | None = None
     handled = 0
     while agent.is_alive():
@@ -271,18 +278,18 @@ def _supervise(
             print(f"ms-health: {why}", file=sys.stderr, flush=True)
             signals.append(signal.SIGTERM)
         if len(signals) > handled:
+            if not handled:
+                tmp = folder / f".{STOP_FILE}.tmp"
+                tmp.write_text(str(signals[0]))
+                tmp.replace(folder / STOP_FILE)
             handled = len(signals)
             bound = grace + _TEARDOWN_S if handled == 1 else _AT_ONCE_S
             kill_at = min(kill_at or float("inf"), time.monotonic() + bound)
-        if handled:
-            # Ranks that started after the signal get it too. One signal per rank per
-            # round: two sent at once may arrive as one, and a rank counts them.
-            for pid in now:
-                sent = told.get(pid, 0)
-                if sent < min(len(signals), 2):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signals[sent])
-                    told[pid] = sent + 1
+        if handled > 1:
+            for pid in [p for p in now if p not in told]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signals[1])
+                told.add(pid)
         if kill_at is not None and time.monotonic() > kill_at:
             for pid in now:
                 with contextlib.suppress(ProcessLookupError):
@@ -309,7 +316,8 @@ def _outcome(
     """Print the one line the run ends with, if any; the exit status."""
     if signals:
         first = signals[0]
-        stop = reports.get(0, {})
+        # This launcher's lowest rank: on a node without rank 0 its ranks report too.
+        stop = next((reports[r] for r in sorted(reports) if "account" in reports[r]), {})
         if len(signals) == 1 and "account" in stop:
             print(f"ms-train: {stop['account']}", file=sys.stderr, flush=True)
         else:

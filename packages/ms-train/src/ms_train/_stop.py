@@ -13,6 +13,16 @@ abandoned, and the account names the newest committed step instead.
 A second signal means "stop now": the handler kills the checkpoint writer (what it was
 writing stays uncommitted), stops the data loader, says which step is the newest
 committed one and ends the process at once.
+
+Under the ``ms-train`` launcher the first stop does not travel as a signal: the
+launcher writes a stop file (:data:`STOP_FILE` in its report folder, holding the
+signal's number) that the ranks read after every step, as if each had received the
+signal. A signal that reaches a rank still starting up (importing, joining the process
+group, loading a checkpoint) would kill it, its elastic agent would restart the ranks,
+and on several nodes an agent whose ranks stopped well would wait for the others in
+its exit barrier while those wait for it in a new rendezvous. A rank that starts after
+the file was written stops after its first step like the others. A signal that reaches
+a rank once the file exists is the second: stop now.
 """
 
 from __future__ import annotations
@@ -29,9 +39,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["StopRequest", "Stopped"]
+__all__ = ["STOP_FILE", "StopRequest", "Stopped"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: The file in the launcher's report folder that asks the ranks to stop.
+STOP_FILE = "stop"
 
 
 class Stopped(Exception):
@@ -103,12 +115,21 @@ class StopRequest:
         grace_s: seconds from the first signal that the final save may take.
         at_once: what a second signal does (it must not return normally).
         world_size: ranks of the job; more than one needs torch.distributed initialized.
+        stop_file: a file whose appearance asks for a stop as a first signal would (it
+            holds the signal's number); the launcher's, or None.
     """
 
-    def __init__(self, grace_s: float, at_once: Callable[[int], None], world_size: int = 1) -> None:
+    def __init__(
+        self,
+        grace_s: float,
+        at_once: Callable[[int], None],
+        world_size: int = 1,
+        stop_file: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.grace_s = grace_s
         self.at_once = at_once
         self.world_size = world_size
+        self.stop_file = None if stop_file is None else os.fspath(stop_file)
         #: The first signal's number, 0 until one arrives.
         self.signum = 0
         self.received_at: float | None = None
@@ -137,11 +158,24 @@ class StopRequest:
         self._previous.clear()
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if not self.signum:
+        if not self.signum and not self._requested():  # else the file was the first
             self.signum = signum
             self.received_at = time.monotonic()
             return
         self.at_once(self.signum)
+
+    def _requested(self) -> bool:
+        """Whether the stop file asks for a stop (recorded as the first signal)."""
+        if self.stop_file is None or self.signum:
+            return bool(self.signum)
+        try:
+            with open(self.stop_file) as f:
+                text = f.read().strip()
+        except OSError:
+            return False
+        self.signum = int(text) if text.isdigit() else signal.SIGTERM
+        self.received_at = time.monotonic()
+        return True
 
     def deadline(self) -> float:
         """When the final save must have committed (monotonic clock)."""
@@ -151,6 +185,7 @@ class StopRequest:
     def agreed(self) -> int:
         """After a step: the signal every rank stops on, or 0 to go on (collective with
         several ranks: each rank calls it after each step)."""
+        self._requested()
         if self._flag is None:
             return self.signum
         self._flag.fill_(self.signum)

@@ -56,6 +56,7 @@ from ms_parallel import OptimizerFactory, ShardSpec, StepEngine
 from ms_train import _health, _lock, _saves, _stop, report
 from ms_train._data_errors import damaged_data
 from ms_train._eval import HeldOutEval
+from ms_train._launch import launched
 from ms_train._peak import Peak, PeakSource, measured_peak, over_peak_warning, table_peak
 from ms_train._preflight import preflight
 from ms_train._rng import RankRNG, seed_rank
@@ -538,8 +539,12 @@ class Trainer:
         one ends the process at once (``ms_train._stop``).
         """
         c = self.config
+        under = launched()
         self._stop = stop = _stop.StopRequest(
-            c.checkpoint.grace_s, lambda first: _stop.stop_at_once(self, first), self.world_size
+            c.checkpoint.grace_s,
+            lambda first: _stop.stop_at_once(self, first),
+            self.world_size,
+            stop_file=None if under is None else under[1] / _stop.STOP_FILE,
         ).install()
         start = self.resume()
         total_steps = c.train.steps
