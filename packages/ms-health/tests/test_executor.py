@@ -221,6 +221,25 @@ def test_a_heartbeat_carries_every_steps_loss_since_the_last_one(
     assert second.losses == tuple((s, float(s)) for s in newest)
 
 
+def test_cost_counts_the_loops_calls_and_the_senders_cpu(
+    driver: Driver, recorder: Recorder
+) -> None:
+    with Heartbeat(driver.url, TOKEN, job="j", interval_s=3600) as hb:
+        before = hb.cost()
+        hb.set_phase("train")
+        latest(recorder, 0, "the phase's heartbeat", lambda r: r.phase == "train")
+        for step in range(3):
+            hb.on_event("all_reduce", "wait_begin", float(step))
+            hb.on_event("all_reduce", "wait_end", step + 0.5)
+            hb.step(step, loss=1.0)
+        hb.set_phase("other")
+        latest(recorder, 0, "step 2", lambda r: r.step == 2)
+        wait_until(lambda: hb.cost()["heartbeats"] >= before["heartbeats"] + 2, "2 beats")
+        after = hb.cost()
+    assert after["loop_calls"] - before["loop_calls"] == 9
+    assert after["loop_s"] > before["loop_s"] and after["sender_cpu_s"] > before["sender_cpu_s"]
+
+
 def test_a_connection_the_driver_closed_while_idle_is_replaced_without_a_failure(
     recorder: Recorder,
 ) -> None:

@@ -186,6 +186,12 @@ def test_a_slow_rank_is_flagged_as_a_straggler_and_nothing_else(
     assert last is not None and int(last.group(1)) <= slow_from + 10, stragglers[0]
     assert not [f for f in findings if f["kind"] in ("crash", "hang", "nonfinite")], findings
     assert not _kinds(events, "order")  # nothing was killed for it
+    # What heartbeats cost rank 0 over its timed steps (2..40), measured in the run.
+    cost = json.loads((job.out / "summary.json").read_text())["health_cost"]
+    assert cost["loop_calls"] > steps - 1 and cost["heartbeats"] >= 1, cost
+    spent = cost["loop_s"] + cost["sender_cpu_s"]
+    assert 0 < spent == pytest.approx(cost["share"] * cost["wall_s"])
+    assert cost["share"] < 0.5, cost
 
 
 @pytest.mark.timeout(600)

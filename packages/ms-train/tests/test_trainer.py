@@ -232,6 +232,7 @@ def test_the_engine_is_swappable_and_reports_are_written(corpus: Path, tmp_path:
     assert sample.startswith("def ") and summary.sample is not None
     saved = json.loads((out / "summary.json").read_text())
     assert saved["end_step"] == 4 and saved["tokens"] == 4 * 12 * 32
+    assert saved["health_cost"] is None  # no heartbeats in this run
     text = stream.getvalue()
     for expected in ("checkpoint: none found", "tok/s", "MFU", "data-wait", "ETA", "summary"):
         assert expected in text, expected

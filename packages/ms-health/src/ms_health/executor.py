@@ -205,6 +205,10 @@ class Heartbeat:
         self._gpu_known = False
         self._log_sent = 0  # the tap's count of the last log line delivered
         self._trouble = False  # an outage is going on (and was logged)
+        # What this sender costs the process (see cost()).
+        self._api_s = 0.0
+        self._api_calls = 0
+        self._sender_cpu_s = 0.0
         self.sent = 0
         self.failures = 0
         self.rejected = 0
@@ -256,6 +260,7 @@ class Heartbeat:
         cpu = (threading.get_ident(), time.thread_time())
         try:
             with self._lock:
+                self._api_calls += 1
                 self._step = step
                 self._loss = loss
                 if loss is not None:
@@ -277,6 +282,7 @@ class Heartbeat:
                 self._new_loss.set()
         except Exception:  # a bad argument must not stop training
             pass
+        self._api_s += time.perf_counter() - t  # the loop's thread only: no lock needed
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -306,8 +312,10 @@ class Heartbeat:
         """ms-parallel's event hook: remember the last operation and sum the step's
         collective wait (``wait_begin`` to ``wait_end``, overlapping waits counted
         once; ``t`` on one clock per process)."""
+        t0 = time.perf_counter()
         try:
             with self._lock:
+                self._api_calls += 1
                 self._saw_events = True
                 if kind not in _NOT_AN_OP:
                     self._last_op = (name, kind, t, attrs)
@@ -329,12 +337,26 @@ class Heartbeat:
                             self._wait_now += t - self._wait_t0
         except Exception:
             pass
+        self._api_s += time.perf_counter() - t0
 
     def set_mesh(self, mesh: Mapping[str, int]) -> None:
         """Mesh coordinates (``{"dp": 1, "tp": 0}``) for the following heartbeats."""
         checked = _check_mesh(mesh)
         with self._lock:
             self._mesh = checked
+
+    def cost(self) -> dict[str, float]:
+        """What heartbeats have cost this process so far: ``loop_s``, the seconds the
+        calling threads spent in :meth:`step` and :meth:`on_event` (``loop_calls``
+        calls), and ``sender_cpu_s``, the CPU seconds of the sender thread, which
+        holds the GIL part of that time (an upper bound on what it takes from the loop).
+        Take two and subtract for a window of training."""
+        return {
+            "loop_s": self._api_s,
+            "loop_calls": float(self._api_calls),
+            "sender_cpu_s": self._sender_cpu_s,
+            "heartbeats": float(self.sent),
+        }
 
     # ------------------------------------------------------------------ life cycle
 
@@ -399,6 +421,7 @@ class Heartbeat:
                         _log.exception("ms-health: building or sending a heartbeat failed")
                     failed = True
                     self.failures += 1
+                self._sender_cpu_s = time.thread_time()  # this thread's CPU seconds
                 if final:
                     return
                 self._pause()
@@ -415,7 +438,9 @@ class Heartbeat:
                 return
             if self._new_loss.wait(left):
                 self._new_loss.clear()
-                if self._saw_nonfinite():
+                seen = self._saw_nonfinite()
+                self._sender_cpu_s = time.thread_time()
+                if seen:
                     return
 
     def _saw_nonfinite(self) -> bool:

@@ -99,6 +99,11 @@ class RunSummary:
             or ``"measured"`` (the best of several matmul measurements at start); None
             when this run trained nothing and needed no peak.
         peak_flops_detail: how it was found (the device, or the measurements).
+        health_cost: with heartbeats, what they cost this rank over ``wall_s``:
+            ``loop_s`` in the heartbeat's calls on the training thread (steps and
+            collective events), ``sender_cpu_s`` of its sender thread, and ``share``,
+            their sum over ``wall_s`` (an upper bound on the tokens/s they take: as if
+            the sender's CPU time were all taken from the loop); else None.
     """
 
     start_step: int
@@ -122,6 +127,18 @@ class RunSummary:
     checkpoint_dir: str
     files: dict[str, str]
     sample: str | None
+    health_cost: dict[str, float] | None = None
+
+
+def _health_cost(
+    before: dict[str, float], after: dict[str, float], wall_s: float
+) -> dict[str, float]:
+    """The heartbeat's cost between two ``Heartbeat.cost()`` readings ``wall_s`` apart."""
+    cost = {k: after[k] - before[k] for k in ("loop_s", "loop_calls", "sender_cpu_s")}
+    cost["heartbeats"] = after["heartbeats"] - before["heartbeats"]
+    cost["wall_s"] = wall_s
+    cost["share"] = (cost["loop_s"] + cost["sender_cpu_s"]) / wall_s
+    return cost
 
 
 def optimizer_groups(model: nn.Module, config: OptimConfig) -> list[dict[str, Any]]:
@@ -570,6 +587,7 @@ class Trainer:
 
         losses: list[tuple[int, float]] = []
         evals: list[tuple[int, float]] = []
+        cost0: dict[str, float] | None = None  # the heartbeat's cost when rates start
         window_loss = torch.zeros((), device=self.device)
         group = dist.group.WORLD if self.world_size > 1 else None
         self.saves = _saves.Saves(
@@ -634,6 +652,7 @@ class Trainer:
                     warned = True
                 if done == start + 1:  # rates from here on leave out start-up
                     t_first = now
+                    cost0 = hb.cost() if hb is not None else None
                 t_window, window_steps = now, 0
                 window_loss.zero_()
                 wait0 = self._waits()
@@ -665,6 +684,9 @@ class Trainer:
                 raise stopped
         stop.restore()
         t_end = time.perf_counter()  # the final checkpoint's write is not training time
+        health_cost = None
+        if hb is not None and cost0 is not None and t_end > t_first:
+            health_cost = _health_cost(cost0, hb.cost(), t_end - t_first)
         progress.close()
         with self._phase("checkpoint"):
             self.saves.finish(self._state)
@@ -699,6 +721,7 @@ class Trainer:
             checkpoint_dir=self.checkpoint_dir,
             files={},
             sample=None,
+            health_cost=health_cost,
         )
         if self.rank == 0:
             summary = self._finish(summary)
