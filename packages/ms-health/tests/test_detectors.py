@@ -50,7 +50,7 @@ def test_default_detectors_refuse_a_bad_interval(interval: Any) -> None:
 def test_every_state_is_json_versioned_and_refused_when_foreign(cls: type) -> None:
     det = cls()
     state = det.state_dict()
-    version = 3 if cls is LossSpike else 1  # LossSpike 3: the job's step losses
+    version = 2 if cls is LossSpike else 1  # LossSpike 2: a spread saved (empty now)
     assert state["version"] == version and state["detector"] == cls.__name__
     det.load_state_dict(json.loads(json.dumps(state)))
     with pytest.raises(ValueError, match=rf"state\['version'\] must be {version}"):

@@ -79,6 +79,12 @@ def test_a_nonfinite_loss_travels_as_a_string_and_comes_back(loss: float) -> Non
     assert same_float(back.loss, loss)
 
 
+def test_a_longer_list_of_losses_is_read_for_its_newest() -> None:
+    body = heartbeat_body(losses=[[s, "nan" if s == 3 else 1.0] for s in range(MAX_LOSSES + 9)])
+    record = parse_heartbeat(json.dumps(body))
+    assert [s for s, _ in record.losses] == list(range(9, MAX_LOSSES + 9))
+
+
 BAD_HEARTBEAT_FIELDS = [
     ("job", None, "heartbeat.job is missing"),
     ("job", "", "heartbeat.job must be a non-empty string"),
@@ -103,8 +109,8 @@ BAD_HEARTBEAT_FIELDS = [
     ("step", 1.5, "heartbeat.step must be an int"),
     ("loss", "lots", 'heartbeat.loss must be a number, "nan", "inf" or "-inf"'),
     ("loss", False, "heartbeat.loss must be a number"),
-    ("losses", {"1": 2.0}, f"heartbeat.losses must be a list of <= {MAX_LOSSES} [step, loss]"),
-    ("losses", [[1, 2.0]] * (MAX_LOSSES + 1), "heartbeat.losses must be a list of <="),
+    ("losses", {"1": 2.0}, "heartbeat.losses must be a list of [step, loss] pairs"),
+    ("losses", [[1, 2.0], [1, 2.0, 3.0]] * MAX_LOSSES, f"heartbeat.losses[{MAX_LOSSES + 1}]"),
     ("losses", [[1, 2.0], [2]], "heartbeat.losses[1] must be a [step, loss] pair"),
     ("losses", [[1.5, 2.0]], "heartbeat.losses[0] must be a [step, loss] pair with an int"),
     ("losses", [[-1, 2.0]], "heartbeat.losses[0] must be a [step, loss] pair with an int"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -52,20 +53,42 @@ def test_the_launchers_stop_file_is_the_first_signal(tmp_path: Path) -> None:
     stop = StopRequest(30.0, at_once, stop_file=stop_file).install()
     try:
         assert stop.agreed() == 0  # no file yet
-        stop_file.write_text(str(int(signal.SIGINT)))
+        stop_file.write_text(f"{int(signal.SIGINT)} 1")
+        os.utime(stop_file, (time.time() - 5, time.time() - 5))  # written 5 s ago
         assert stop.agreed() == signal.SIGINT and stop.received_at is not None
+        assert stop.deadline() == pytest.approx(time.monotonic() + 25.0, abs=0.5)
         with pytest.raises(_AtOnce):  # a signal after it is the second: stop now
             os.kill(os.getpid(), signal.SIGTERM)
         assert calls == [signal.SIGINT]
     finally:
         stop.restore()
-    # A signal that comes before the step has read the file is the second all the same.
-    calls.clear()
+
+
+def test_a_signal_beside_the_stop_file_is_the_same_stop_until_the_file_says_two(
+    tmp_path: Path,
+) -> None:
+    """A scheduler may signal the launcher and every rank at once: a rank's signal that
+    comes with the launcher's file (before its step has read it) is not a second."""
+    calls: list[int] = []
+
+    def at_once(first: int) -> None:
+        calls.append(first)
+        raise _AtOnce
+
+    stop_file = tmp_path / "stop"
+    stop_file.write_text(f"{int(signal.SIGTERM)} 1")
+    stop = StopRequest(30.0, at_once, stop_file=stop_file).install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert calls == [] and stop.agreed() == signal.SIGTERM
+    finally:
+        stop.restore()
+    stop_file.write_text(f"{int(signal.SIGTERM)} 2")  # the launcher had a second signal
     stop = StopRequest(30.0, at_once, stop_file=stop_file).install()
     try:
         with pytest.raises(_AtOnce):
-            os.kill(os.getpid(), signal.SIGTERM)
-        assert calls == [signal.SIGINT]
+            os.kill(os.getpid(), signal.SIGINT)
+        assert calls == [signal.SIGTERM]
     finally:
         stop.restore()
 

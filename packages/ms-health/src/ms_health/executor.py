@@ -278,11 +278,11 @@ class Heartbeat:
                     if tokens is not None:
                         self._window_tokens += tokens
                         self._window_s += t - start
+                self._api_s += time.perf_counter() - t
             if loss is not None:
                 self._new_loss.set()
         except Exception:  # a bad argument must not stop training
             pass
-        self._api_s += time.perf_counter() - t  # the loop's thread only: no lock needed
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -335,9 +335,9 @@ class Heartbeat:
                         self._wait_depth -= 1
                         if self._wait_depth == 0:
                             self._wait_now += t - self._wait_t0
+                self._api_s += time.perf_counter() - t0
         except Exception:
             pass
-        self._api_s += time.perf_counter() - t0
 
     def set_mesh(self, mesh: Mapping[str, int]) -> None:
         """Mesh coordinates (``{"dp": 1, "tp": 0}``) for the following heartbeats."""
@@ -444,9 +444,11 @@ class Heartbeat:
                     return
 
     def _saw_nonfinite(self) -> bool:
+        """Whether the newest loss is not finite (one conversion per wake: a model that
+        went NaN stays NaN, and the heartbeat finds the first such step)."""
         with self._lock:
-            losses = list(self._losses)
-        return _first_nonfinite(losses) is not None
+            newest = [self._losses[-1]] if self._losses else []
+        return _first_nonfinite(newest) is not None
 
     def _send(self, status: str) -> None:
         record, last_log = self._record(status)

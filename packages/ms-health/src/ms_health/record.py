@@ -42,7 +42,8 @@ MAX_BODY_BYTES = 256 * 1024
 MAX_LOG_LINES = 20
 MAX_LOG_LINE_CHARS = 500
 #: Losses of the steps since the previous heartbeat that one heartbeat carries (the
-#: newest; a sender beating every second keeps all of them up to 256 steps/s).
+#: newest; a sender beating every second keeps all of them up to 256 steps/s); the
+#: driver reads the newest this many of a longer list.
 MAX_LOSSES = 256
 #: Phases a training loop reports; detectors keep a timeout per phase.
 PHASES = ("init", "train", "checkpoint", "eval", "shutdown")
@@ -292,10 +293,12 @@ class _Reader:
         v = self._get(name, True)
         if v is None:
             return ()
-        if not isinstance(v, list) or len(v) > MAX_LOSSES:
-            raise self._bad(name, f"a list of <= {MAX_LOSSES} [step, loss] pairs", v)
+        if not isinstance(v, list):
+            raise self._bad(name, "a list of [step, loss] pairs", v)
         out = []
-        for i, pair in enumerate(v):
+        # A sender that keeps more is read for its newest (the body's size is bounded).
+        skipped = max(0, len(v) - MAX_LOSSES)
+        for i, pair in enumerate(v[skipped:], start=skipped):
             ok = isinstance(pair, list) and len(pair) == 2
             step, loss = pair if ok else (None, None)
             if not ok or isinstance(step, bool) or not isinstance(step, int) or step < 0:

@@ -173,7 +173,10 @@ def launch(
     previous: dict[int, Any] = {}
     # `kill -USR1 <launcher pid>` prints the launcher's threads (the elastic agent's
     # included) as it does a rank's: where a job that does not end is waiting.
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    dumps = False
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # stderr without a fd
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        dumps = True
     try:
         if "OMP_NUM_THREADS" not in os.environ:
             # One share of the cores per rank (the agent would otherwise force 1, with a warning).
@@ -241,7 +244,8 @@ def launch(
             health.stop()
         for s, prev in previous.items():
             signal.signal(s, prev)
-        faulthandler.unregister(signal.SIGUSR1)
+        if dumps:
+            faulthandler.unregister(signal.SIGUSR1)
         for name in ours:
             os.environ.pop(name, None)
         shutil.rmtree(folder, ignore_errors=True)
@@ -278,10 +282,10 @@ def _supervise(
             print(f"ms-health: {why}", file=sys.stderr, flush=True)
             signals.append(signal.SIGTERM)
         if len(signals) > handled:
-            if not handled:
-                tmp = folder / f".{STOP_FILE}.tmp"
-                tmp.write_text(str(signals[0]))
-                tmp.replace(folder / STOP_FILE)
+            # "<first signal> <stops asked>": a rank that reads 2 stops at once
+            tmp = folder / f".{STOP_FILE}.tmp"
+            tmp.write_text(f"{signals[0]} {min(len(signals), 2)}")
+            tmp.replace(folder / STOP_FILE)
             handled = len(signals)
             bound = grace + _TEARDOWN_S if handled == 1 else _AT_ONCE_S
             kill_at = min(kill_at or float("inf"), time.monotonic() + bound)
@@ -316,7 +320,8 @@ def _outcome(
     """Print the one line the run ends with, if any; the exit status."""
     if signals:
         first = signals[0]
-        # This launcher's lowest rank: on a node without rank 0 its ranks report too.
+        # The lowest of this launcher's ranks that gave an account (on a node without
+        # rank 0, its own ranks'; every rank of a graceful stop gives the same step).
         stop = next((reports[r] for r in sorted(reports) if "account" in reports[r]), {})
         if len(signals) == 1 and "account" in stop:
             print(f"ms-train: {stop['account']}", file=sys.stderr, flush=True)

@@ -16,13 +16,17 @@ committed one and ends the process at once.
 
 Under the ``ms-train`` launcher the first stop does not travel as a signal: the
 launcher writes a stop file (:data:`STOP_FILE` in its report folder, holding the
-signal's number) that the ranks read after every step, as if each had received the
-signal. A signal that reaches a rank still starting up (importing, joining the process
-group, loading a checkpoint) would kill it, its elastic agent would restart the ranks,
-and on several nodes an agent whose ranks stopped well would wait for the others in
-its exit barrier while those wait for it in a new rendezvous. A rank that starts after
-the file was written stops after its first step like the others. A signal that reaches
-a rank once the file exists is the second: stop now.
+signal's number and how many stops it was asked for) that the ranks read after every
+step, as if each had received the signal. A signal that reaches a rank still starting
+up (importing, joining the process group, loading a checkpoint) would kill it, its
+elastic agent would restart the ranks, and on several nodes an agent whose ranks
+stopped well would wait for the others in its exit barrier while those wait for it in
+a new rendezvous. A rank that starts after the file was written stops after its first
+step like the others; the grace period runs from the file's time. A signal that
+reaches a rank is its first stop, even when the file exists (a scheduler may signal
+every process of the job); it is the second when the rank had a stop already or the
+file says the launcher had two. A rank stopped at once under the launcher exits 0, so
+that its agent does not restart the ranks.
 """
 
 from __future__ import annotations
@@ -158,24 +162,29 @@ class StopRequest:
         self._previous.clear()
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if not self.signum and not self._requested():  # else the file was the first
-            self.signum = signum
-            self.received_at = time.monotonic()
+        if not self.signum and self._requested() < 2:
+            if not self.signum:  # the file was not there: this signal is the first
+                self.signum = signum
+                self.received_at = time.monotonic()
             return
         self.at_once(self.signum)
 
-    def _requested(self) -> bool:
-        """Whether the stop file asks for a stop (recorded as the first signal)."""
-        if self.stop_file is None or self.signum:
-            return bool(self.signum)
+    def _requested(self) -> int:
+        """How many stops the stop file asks for (0 without one); the first is
+        recorded as a first signal would be, dated by the file."""
+        if self.stop_file is None:
+            return 0
         try:
             with open(self.stop_file) as f:
-                text = f.read().strip()
+                fields = f.read().split()
+            age = max(0.0, time.time() - os.stat(self.stop_file).st_mtime)
         except OSError:
-            return False
-        self.signum = int(text) if text.isdigit() else signal.SIGTERM
-        self.received_at = time.monotonic()
-        return True
+            return 0
+        signum = int(fields[0]) if fields and fields[0].isdigit() else int(signal.SIGTERM)
+        count = int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else 1
+        if not self.signum:
+            self.signum, self.received_at = signum, time.monotonic() - age
+        return count
 
     def deadline(self) -> float:
         """When the final save must have committed (monotonic clock)."""
@@ -185,7 +194,8 @@ class StopRequest:
     def agreed(self) -> int:
         """After a step: the signal every rank stops on, or 0 to go on (collective with
         several ranks: each rank calls it after each step)."""
-        self._requested()
+        if not self.signum:
+            self._requested()
         if self._flag is None:
             return self.signum
         self._flag.fill_(self.signum)
@@ -238,10 +248,12 @@ def stop_at_once(trainer: Any, first: int) -> None:
     committed, end the process with 128 + the ``first`` signal's number.
 
     Rank 0 says it, unless the ``ms-train`` launcher started the rank: the launcher
-    then says it once the ranks are gone.
+    then says it once the ranks are gone, and the rank exits 0, so that its elastic
+    agent does not restart the ranks into a stop.
     """
     from ms_train._launch import launched
 
+    status = 128 + first if launched() is None else 0
     try:
         trainer.checkpointer.abort()
         close = getattr(trainer.loader, "close", None)
@@ -257,4 +269,4 @@ def stop_at_once(trainer: Any, first: int) -> None:
                 flush=True,
             )
     finally:
-        os._exit(128 + first)
+        os._exit(status)

@@ -279,7 +279,7 @@ class Job:
             for pid, cmd in sorted(alive.items()):
                 lines.append(f"  pid {pid} [{_proc_state(pid)}] {cmd[:200]}")
             self.stuck = "\n".join(lines)
-            for pid in [*alive, *(p.pid for p in self.launchers if p.poll() is None)]:
+            for pid in {*alive, *(p.pid for p in self.launchers if p.poll() is None)}:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGUSR1)
             time.sleep(2)

@@ -251,8 +251,9 @@ class StepBins:
     bin is complete once some rank has reported step ``(bin + 1) * width + lag``;
     a later value for it is dropped. With ``wait_all``, for values that heartbeats
     carry for every step (each rank reports all its steps since its last heartbeat,
-    at its own moment), a bin is also complete once every rank seen has reported its
-    last step, and ``lag`` only bounds the wait for a rank that went quiet.
+    at its own moment), a bin is also complete once every rank of the job (``world``,
+    as the heartbeats give it) has reported its last step, and ``lag`` only bounds the
+    wait for a rank that went quiet or has not reported since a restart.
 
     A new process of a rank (another pid) reporting a step behind the job's front
     means the job restarted from a checkpoint: the open bins are dropped and counting
@@ -268,12 +269,17 @@ class StepBins:
         self._behind: list[tuple[int, int]] = []
         self._front: int | None = None  # the highest step reported
         self._closed_below = 0  # bins below this one were handed back
+        self._world = 0  # the job's ranks, the most any value came with
 
     def add(self, rank: int, pid: int, step: int, value: float) -> Added:
         return self.add_many(rank, pid, ((step, value),))
 
-    def add_many(self, rank: int, pid: int, values: Iterable[tuple[int, float]]) -> Added:
-        """Values of one rank's consecutive steps, oldest first (one heartbeat's)."""
+    def add_many(
+        self, rank: int, pid: int, values: Iterable[tuple[int, float]], world: int = 0
+    ) -> Added:
+        """Values of one rank's consecutive steps, oldest first (one heartbeat's), in a
+        job of ``world`` ranks (wait_all)."""
+        self._world = max(self._world, world)
         accepted = rewound = False
         for step, value in values:
             prev = self._last.get(rank)
@@ -314,6 +320,8 @@ class StepBins:
         """The step that every rank seen has reported (wait_all), else None."""
         if not self.wait_all:
             return None
+        if len(self._last) < self._world:
+            return -1  # a rank of the job has not reported (since a restart)
         while self._behind:
             step, rank = self._behind[0]
             last = self._last.get(rank)

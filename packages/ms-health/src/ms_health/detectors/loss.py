@@ -22,12 +22,12 @@ from ms_health.detectors._common import (
     rank_set,
 )
 from ms_health.findings import Finding
-from ms_health.record import MAX_LOSSES, HeartbeatRecord
+from ms_health.record import HeartbeatRecord
 
 __all__ = ["LossSpike", "NonFiniteLoss"]
 
 _VERSION = 1
-_SPIKE_VERSION = 3
+_SPIKE_VERSION = 2
 #: Spikes kept open at most; a loss that diverges spikes at every step and the oldest
 #: give way (each is still returned by one check).
 _MAX_SPIKES = 16
@@ -105,8 +105,9 @@ class LossSpike:
     ``"loss_spike"``), once per step whatever the number of ranks.
 
     A step's loss is the median of its ranks' losses: heartbeats carry every step's
-    loss since the previous one, and a step is scored once every rank has reported it
-    (or ``lag`` steps later, for a rank that went quiet). Each rank's loss is that of
+    loss since the previous one, and a step is scored once every rank of the job has
+    reported it (or ``lag`` steps later, for a rank that went quiet or has not reported
+    since a restart: its losses of that step are left out). Each rank's loss is that of
     its own micro-batches, and one rank's hard batch at 3x the median is common in a
     heavy-tailed loss; it is no spike of the run, and it does not move the median of
     its peers. A divergence moves every rank's.
@@ -128,7 +129,7 @@ class LossSpike:
         window: int = 50,
         warmup: int = 20,
         rel_floor: float = 0.01,
-        lag: int = MAX_LOSSES,
+        lag: int = 64,
         name: str = "loss_spike",
     ) -> None:
         self.name = detector_name(name)
@@ -153,7 +154,7 @@ class LossSpike:
         else:
             return
         # A non-finite loss is NonFiniteLoss's; it must not enter the history.
-        added = self._bins.add_many(record.rank, record.pid, pairs)
+        added = self._bins.add_many(record.rank, record.pid, pairs, record.world_size)
         if added.rewound:
             self._forget_live()
         for step, per_rank in added.closed:
@@ -228,19 +229,21 @@ class LossSpike:
             self._forget_live()
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"version", "detector", "history": [step loss, oldest first]}``."""
+        """``{"version", "detector", "history": [step loss, oldest first], "spread":
+        []}``: 0.2's format (whose history is the same step losses), its spread of the
+        ranks' losses no longer used and saved empty, so that a 0.2 driver reads it."""
         return {
             "version": _SPIKE_VERSION,
             "detector": type(self).__name__,
             "history": list(self._history),
+            "spread": [],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Format 3, and 0.1's and 0.2's (1 and 2: the history is read, 2's spread of
-        ranks' losses around each step's median is not used any more)."""
-        version = state.get("version") if isinstance(state, Mapping) else None
-        old = version if version in (1, 2) and not isinstance(version, bool) else None
-        reader = StateReader(state, type(self).__name__, old or _SPIKE_VERSION)
+        """Format 2, and 0.1's format 1 (the same history, no spread); a saved spread
+        is not used."""
+        old = isinstance(state, Mapping) and state.get("version") == 1
+        reader = StateReader(state, type(self).__name__, 1 if old else _SPIKE_VERSION)
         # A history saved with a longer window is honoured by its most recent steps.
         history = reader.numbers("history", limit=_MAX_SAVED)
         self._history = deque(history[-self.window :], maxlen=self.window)
