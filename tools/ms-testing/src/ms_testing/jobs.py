@@ -77,16 +77,25 @@ def shm_segments(prefixes: tuple[str, ...] = SHM_PREFIXES) -> set[str]:
 def rank_processes(tag: str, module: str = "ms_train.cli") -> dict[int, list[int]]:
     """The job's ranks by global rank: rank -> pids of live processes carrying ``tag``
     that run ``module`` with ``RANK`` in their environment (a launcher has none; after a
-    restart a rank may briefly have two, the old one dying)."""
-    found: dict[int, list[int]] = {}
+    restart a rank may briefly have two, the old one dying).
+
+    A child that a rank forks (a checkpoint writer or loader reader between its fork and
+    its exec) briefly shows the rank's command line and environment; it is not counted,
+    since its parent is the rank."""
+    found: dict[int, tuple[int, int]] = {}  # pid -> (rank, parent pid)
     for pid, cmd in tagged_processes(tag).items():
         if module not in cmd:
             continue
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
         ranks = [int(v[5:]) for v in env if v.startswith(b"RANK=") and v[5:].isdigit()]
         if ranks:
-            found.setdefault(ranks[0], []).append(pid)
-    return {r: sorted(p) for r, p in sorted(found.items())}
+            found[pid] = (ranks[0], parent)
+    by_rank: dict[int, list[int]] = {}
+    for pid, (rank, parent) in found.items():
+        if parent not in found:
+            by_rank.setdefault(rank, []).append(pid)
+    return {r: sorted(p) for r, p in sorted(by_rank.items())}

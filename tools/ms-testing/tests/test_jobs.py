@@ -1,0 +1,63 @@
+"""rank_processes: a rank's forked child is not a second process of that rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from ms_testing.jobs import rank_processes, tag_env, wait_gone
+
+MARK = "ms_testing_fake_rank"
+
+# Forks a child that keeps the parent's command line and environment (as a checkpoint
+# writer does between fork and exec), prints both pids, then sleeps.
+FORKING = f"""
+import os, sys, time  # {MARK}
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print(os.getpid(), child, flush=True)
+time.sleep(60)
+"""
+
+# A launcher without RANK that starts a rank: the rank counts, its parent does not.
+LAUNCHING = f"""
+import os, subprocess, sys, time  # {MARK}
+rank = subprocess.Popen([sys.executable, "-c", "import time  # {MARK}\\ntime.sleep(60)"],
+                        env={{**os.environ, "RANK": "3"}})
+print(rank.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_is_not_counted_and_a_launched_rank_is() -> None:
+    tag = f"jobs-{uuid.uuid4().hex[:8]}"
+    env = tag_env(tag)
+    env.pop("RANK", None)
+    forking = subprocess.Popen(
+        [sys.executable, "-c", FORKING], env={**env, "RANK": "2"}, stdout=subprocess.PIPE, text=True
+    )
+    launching = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHING], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        rank2, child = (int(v) for v in forking.stdout.readline().split())
+        rank3 = int(launching.stdout.readline())
+        deadline = time.monotonic() + 30
+        while (found := rank_processes(tag, module=MARK)) != {2: [rank2], 3: [rank3]}:
+            assert time.monotonic() < deadline, (found, rank2, child, rank3)
+            time.sleep(0.05)
+        assert child != rank2
+    finally:
+        for pid in wait_gone(tag, timeout=0):
+            os.kill(pid, 9)
+        forking.wait(10)
+        launching.wait(10)
+        assert not wait_gone(tag, timeout=10)
