@@ -203,7 +203,7 @@ def test_mesh_init_smoke_times_and_counts_every_candidate(tmp_path: Path) -> Non
 
 
 def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path: Path) -> None:
-    """Two gloo ranks run the compute-only floor, ms ZeRO-2 (four ways), torch DDP and
+    """Two gloo ranks run the compute-only floor, ms ZeRO-2 (five ways), torch DDP and
     torch FSDP2 (two ways) under no added latency and under one block's forward; the JSON
     holds each one's ratio to the floor and the collectives it issued on the latency
     backend."""
@@ -224,6 +224,7 @@ def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path:
             "compute only (floor)",
             "ms ZeRO-2",
             "ms ZeRO-2, first chunk replicated",
+            "ms ZeRO-2, first 2 chunks replicated",
             "ms ZeRO-2, chain of 1",
             "ms ZeRO-2, serialized",
             "torch DDP",
@@ -240,6 +241,8 @@ def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path:
         # The first block all-reduced, never gathered; the second still ZeRO's.
         replicated = rows["ms ZeRO-2, first chunk replicated"]["collectives_by_type"]
         assert replicated == {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 1}
+        both = rows["ms ZeRO-2, first 2 chunks replicated"]["collectives_by_type"]
+        assert both == {"all_reduce": 2}  # the smoke's 2 blocks: nothing left to shard
         for row in rows.values():
             assert row["median_step_s"] > 0 and len(row["ratio_per_round"]) == 1
     # every repetition keeps every rank's own step times

@@ -111,3 +111,29 @@ def test_diagnostics_need_health(
     assert "--health-min-gflops/-gbps needs --health" in capsys.readouterr().err
     assert main(["--health", "--health-min-gbps", "0"]) == 2
     assert "--health-min-gbps: must be a finite number > 0, got '0'" in capsys.readouterr().err
+
+
+def test_the_command_and_a_config_error_import_neither_torch_nor_the_engines() -> None:
+    """The launcher's module and a config error load no model, engine or torch: the
+    package's public names load on first use."""
+    probe = (
+        "import sys, ms_train, ms_train.cli\n"
+        "code = ms_train.cli.main(['--set', 'model.vocab_size=x'])\n"
+        "heavy = [m for m in ('ms_parallel', 'ms_train.trainer', 'torch') if m in sys.modules]\n"
+        "print(code, heavy)\n"
+        "print(ms_train.Trainer.__module__, 'torch' in sys.modules)\n"
+        "try:\n"
+        "    ms_train.Trainr\n"
+        "except AttributeError as e:\n"
+        "    print(e)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "2 []",
+        "ms_train.trainer True",
+        "module 'ms_train' has no attribute 'Trainr'",
+    ], proc.stdout + proc.stderr
+    assert "model.vocab_size must be an int >= 1, got 'x'" in proc.stderr

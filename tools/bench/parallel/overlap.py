@@ -22,7 +22,9 @@ parameters, fp32), 1,024 random tokens (rows) per rank against random targets, M
    **ms ZeRO-2, first chunk replicated**: the same with ``replicated_chunks=1``: the
    first block's gradients all-reduced, its optimizer step on every rank, and no
    all-gather between the optimizer step and the first forward (DeepSpeed's
-   persistence of small parameters). **ms ZeRO-2, chain of 1**: the same with
+   persistence of small parameters); **first 2 chunks replicated**: two blocks kept
+   whole, so the first all-gather waited for hides behind two blocks' forward, at the
+   memory of their replicated optimizer state. **ms ZeRO-2, chain of 1**: the same with
    ``prefetch_chunks=1`` (chunk k + 1's all-gather issued as chunk k starts, the
    paper's chain). **ms ZeRO-2, serialized**:
    ``prefetch=False``, every collective waited right after it is issued; overlapped /
@@ -56,11 +58,12 @@ runs ``--warmup`` untimed steps, then a gloo barrier (on the default group, with
 latency) and ``--steps`` timed steps; candidates alternate within a round, the order
 rotating from round to round. A repetition's step time is the slowest rank's time for
 the timed steps over ``--steps``. Reported per L: median and min-max of the step time,
-and the ratio to the floor (the median over rounds of candidate / floor of the same
-round, with min-max), the collectives issued per step and their bytes (this rank's
-input bytes, from the backend's event hook), and, for L > 0 when L = 0 was swept too,
-the latency exposed per step: (median step at L - median step at 0) / L, in units of L
-(for the floor, which communicates nothing, this figure is the run's noise).
+the ratio to the floor (the median over rounds of candidate / floor of the same
+round, with min-max) and to torch DDP the same way, the collectives issued per step
+and their bytes (this rank's input bytes, from the backend's event hook), and, for
+L > 0 when L = 0 was swept too, the latency exposed per step: (median step at L -
+median step at 0) / L, in units of L (for the floor, which communicates nothing, this
+figure is the run's noise).
 
 Prints a table per L and writes a JSON record (machine info, versions, parameters,
 every repetition of every rank) to ``--out`` (default
@@ -100,6 +103,8 @@ from ms_testing.bench import machine_info
 
 BACKEND = "bench_latency"
 FLOOR = "compute only (floor)"
+#: The peer every candidate is also set against, round by round.
+PEER = "torch DDP"
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,15 @@ def ms_zero2_replicated1(model: nn.Sequential, comm: Comm, config: BenchConfig) 
     )
 
 
+def ms_zero2_replicated2(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
+    """The same with the first two chunks replicated: the all-gather that the first
+    forward waits for is the third chunk's, behind two blocks' forward."""
+    zero = ZeroDataParallel(model, comm.group, replicated_chunks=2)
+    return training_step(
+        zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
+    )
+
+
 def ms_zero2_chain1(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
     """The same with the paper's chain: chunk k + 1's all-gather issued as chunk k
     starts (the default gathers every chunk as the optimizer step ends)."""
@@ -233,6 +247,7 @@ CANDIDATES: dict[str, Candidate] = {
     FLOOR: compute_only,
     "ms ZeRO-2": ms_zero2,
     "ms ZeRO-2, first chunk replicated": ms_zero2_replicated1,
+    "ms ZeRO-2, first 2 chunks replicated": ms_zero2_replicated2,
     "ms ZeRO-2, chain of 1": ms_zero2_chain1,
     "ms ZeRO-2, serialized": ms_zero2_serialized,
     "torch DDP": torch_ddp,
@@ -359,10 +374,12 @@ def summarize(sweep: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for s in sweep:
         floor = {rep["round"]: rep["step_s"] for rep in s["reps"][FLOOR]}
+        peer = {rep["round"]: rep["step_s"] for rep in s["reps"].get(PEER, [])}
         rows = {}
         for name, reps in s["reps"].items():
             times = [rep["step_s"] for rep in reps]
             ratios = [rep["step_s"] / floor[rep["round"]] for rep in reps]
+            to_peer = [rep["step_s"] / peer[rep["round"]] for rep in reps if rep["round"] in peer]
             median = statistics.median(times)
             exposed = None
             if zero is not None and s["latency_s"] > 0:
@@ -376,6 +393,9 @@ def summarize(sweep: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ratio_min": min(ratios),
                 "ratio_max": max(ratios),
                 "ratio_per_round": ratios,
+                "ratio_to_ddp": statistics.median(to_peer) if to_peer else None,
+                "ratio_to_ddp_min": min(to_peer, default=None),
+                "ratio_to_ddp_max": max(to_peer, default=None),
                 "collectives_per_step": reps[0]["collectives_per_step"],
                 "collectives_by_type": reps[0]["collectives_by_type"],
                 "bytes_per_step": reps[0]["bytes_per_step"],
@@ -399,17 +419,23 @@ def print_tables(summary: list[dict[str, Any]], head: str, block_s: float) -> No
                 )
         print(f"\n### {head}, L = {latency * 1e3:.1f} ms per op{what}\n")
         print(
-            "| candidate | ms/step (median) | min-max | / floor | min-max "
+            "| candidate | ms/step (median) | min-max | / floor | min-max | / DDP | min-max "
             "| collectives/step | MiB/step | latency exposed/step |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name, row in s["candidates"].items():
             exposed = row["latency_exposed_per_step"]
+            to_ddp = (
+                "- | -"
+                if row["ratio_to_ddp"] is None
+                else f"{row['ratio_to_ddp']:.3f} "
+                f"| {row['ratio_to_ddp_min']:.3f}-{row['ratio_to_ddp_max']:.3f}"
+            )
             print(
                 f"| {name} | {row['median_step_s'] * 1e3:.1f} "
                 f"| {row['min_step_s'] * 1e3:.1f}-{row['max_step_s'] * 1e3:.1f} "
                 f"| {row['ratio_to_floor']:.3f} "
-                f"| {row['ratio_min']:.3f}-{row['ratio_max']:.3f} "
+                f"| {row['ratio_min']:.3f}-{row['ratio_max']:.3f} | {to_ddp} "
                 f"| {row['collectives_per_step']:.0f} | {row['bytes_per_step'] / 2**20:.1f} "
                 f"| {'-' if exposed is None else f'{exposed:.2f} L'} |"
             )

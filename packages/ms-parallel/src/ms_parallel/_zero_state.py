@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
+# DTensor is imported where state is built or read (half a second of imports, sympy's
+# among them), so that a process that never saves or loads does not pay for it.
 if TYPE_CHECKING:
     from ms_parallel.zero import ZeroDataParallel
 
@@ -43,6 +44,8 @@ def optimizer_state_dict(
     zero: ZeroDataParallel, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """``optimizer``'s state in the DP-size independent form (collective over the group)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     mesh = zero.device_mesh() if zero.group is not None else None
     per_param: dict[str, dict[str, Any]] = {}
     keys: dict[int, dict[str, torch.dtype]] = {}
@@ -149,6 +152,8 @@ def _local_part(
     value: torch.Tensor, start: int, stop: int, n: int, key: str, bucket: int, whole: bool
 ) -> torch.Tensor:
     """Elements ``[start, stop)`` of the saved bucket (all ``n`` when ``whole``)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
     if tuple(value.shape) != (n,):
         raise ValueError(
             f"saved ZeRO state bucket{bucket}/{key} has shape {tuple(value.shape)}, expected ({n},)"
