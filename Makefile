@@ -8,13 +8,14 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PACKAGES := $(sort $(wildcard packages/*))
 STAMP := $(VENV)/.ms-installed
-# Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-m 'not slow'"`.
+# Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-k zero"` (then one pytest runs
+# the selection instead of the two lanes).
 PYTEST_ARGS ?=
 # Where `make dist` puts the wheels and sdists; it empties the folder first.
 DIST ?= dist
 BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health bench-health-overhead bench-health-recovery bench-health-soak clean
+.PHONY: run test test-fast lint typecheck pytest pytest-slow pytest-fast test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health bench-health-overhead bench-health-recovery bench-health-soak clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -49,10 +50,18 @@ RUN_ARGS ?=
 run: $(STAMP)
 	$(BIN)/ms-train --preset tiny --nproc 2 $(RUN_ARGS)
 
-# mypy runs beside pytest (one core's worth for a minute, while the first tests mostly
-# wait on subprocesses): the suite's wall time is CI's budget.
+# The suite runs in two lanes beside mypy: the slow tier (multi-process runs, subprocess
+# launches, fresh installs: mostly waiting on processes and deadlines, under one core's
+# worth on average) streams its output, and the fast tier runs beside it on the other
+# core, its output printed whole when it ends. Both must pass. With PYTEST_ARGS (a
+# selection of your own), one pytest runs everything selected instead.
+ifeq ($(strip $(PYTEST_ARGS)),)
+TEST_LANES := pytest-slow pytest-fast
+else
+TEST_LANES := pytest
+endif
 test: lint
-	@$(MAKE) --no-print-directory -j2 typecheck pytest
+	@$(MAKE) --no-print-directory -j3 typecheck $(TEST_LANES)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -64,6 +73,17 @@ typecheck: $(STAMP)
 # pytest exits 5 when a selection holds no test; that is not a failure here.
 pytest: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests were selected"; rc=0; fi; exit $$rc
+
+pytest-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests were selected"; rc=0; fi; exit $$rc
+
+# Its own cache off: the slow lane's pytest writes .pytest_cache meanwhile.
+pytest-fast: $(STAMP)
+	@log=$$(mktemp); echo "the fast tier (pytest -m 'not slow') runs beside; its output follows when it ends"; \
+	$(BIN)/python -m pytest -m 'not slow' -p no:cacheprovider >$$log 2>&1; rc=$$?; \
+	echo "===== the fast tier (pytest -m 'not slow') ====="; cat $$log; rm -f $$log; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests were selected"; rc=0; fi; exit $$rc
 
 # The fast tier for the development loop: everything but the tests marked slow
