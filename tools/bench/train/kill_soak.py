@@ -36,9 +36,12 @@ whose losses differ from the reference (target 0). Writes a JSON record (machine
 parameters, every kill) to ``--out`` (default ``bench-results/kill_soak.json``).
 ``--smoke``: 1 trial, 1 kill, 30 steps: checks that the script works.
 
-Segments are attributed by name: a segment that appears while a trial runs and is
-neither there before it nor removed by the end of the settle time counts as left. Run
-it on a machine where no other ms job starts meanwhile.
+A segment counts as left when it was not there before the trial, is still there at the
+check, and is the job's: ``ms_testing.jobs.JobWatch`` samples the job's processes and
+the segments they hold every 0.1 s, and an ms-ckpt buffer also carries its maker's pid
+in its name. Segments of other jobs (a test suite running beside the smoke) are not
+counted; a segment the job made and dropped within 0.1 s without ever being seen would
+not be either.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ import ms_train
 from ms_data import build_shards
 from ms_data.build import BuildConfig
 from ms_testing.bench import machine_info
-from ms_testing.jobs import shm_segments, tag_env, tagged_processes, wait_gone
+from ms_testing.jobs import JobWatch, shm_segments, tag_env, tagged_processes, wait_gone
 from ms_testing.train import write_train_config
 from ms_train.report import read_metrics
 
@@ -159,78 +162,80 @@ def trial(
     config = work / f"trial-{k}.toml"
     write_config(config, shards, out, args.steps, args.every)
     tag = f"soak-{uuid.uuid4().hex[:12]}"
-    env = tag_env(tag, {**os.environ, "OMP_NUM_THREADS": "1"})
-    log = work / f"trial-{k}.log"
-    cmd = command(config, args.nproc)
-    kills: list[dict[str, Any]] = []
-    pending: dict[str, Any] | None = None  # the last kill, waiting for its rerun's step
-    before = shm_segments()
-    rc: int | None = None
-    for attempt in range(args.kills + 1):
-        job = start(cmd, env, log)
-        reached_before = max(steps_logged(out), default=0)
-        first = wait_for_step(job, out, reached_before if attempt else 0)
-        if pending is not None and first is not None:
-            pending["kill_to_new_step_s"] = first - pending["t_kill"]
-        if attempt == args.kills:  # the last start runs to the end
-            try:
-                rc = job.wait(timeout=RUN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(job.pid, signal.SIGKILL)
-                rc = None
-            break
-        if first is None:  # it ended (or hung) before it could be killed
-            rc = job.poll()
-            break
-        time.sleep(rng.uniform(0.0, 0.9 * span))  # inside the run, whatever its pace
-        if job.poll() is not None:  # finished before the kill: nothing to kill
-            rc = job.returncode
-            kills.append({"finished_before_kill": True})
-            break
-        phase = save_phase(out / "ckpt")
-        os.killpg(job.pid, signal.SIGKILL)
-        t_kill = time.monotonic()
-        # Read right after the kill: a step logged later was trained by a rank that
-        # outlived it (read before the kill, a step finishing meanwhile would count).
-        reached = max(steps_logged(out), default=0)
-        job.wait(timeout=30)
-        survivors = wait_gone(tag, args.settle)
-        # A rank that outlived the kill goes on training: its steps land in the log. The
-        # step in flight may still be logged while the launcher is torn down, before the
-        # ranks' parent-death signal arrives; more than that is an orphan training on.
-        logged_after = max(steps_logged(out), default=0) - reached
-        after_kill = max(0, logged_after - 1)
-        segments = sorted(shm_segments() - before)
-        swept = sweep(tag) if survivors else 0
-        resumed = max(committed(out / "ckpt"), default=0)
-        pending = {
-            "phase": phase,
-            "step_reached": reached,
-            "resumed_from": resumed,
-            "steps_lost": reached - resumed,
-            "steps_logged_after_kill": logged_after,
-            "steps_trained_after_kill": after_kill,
-            "processes_left": [f"{pid} {cmd}" for pid, cmd in survivors.items()],
-            "processes_swept": swept,
-            "segments_left": segments,
-            "t_kill": t_kill,
-            "kill_to_new_step_s": math.nan,
+    with JobWatch(tag) as watch:
+        env = tag_env(tag, {**os.environ, "OMP_NUM_THREADS": "1"})
+        log = work / f"trial-{k}.log"
+        cmd = command(config, args.nproc)
+        kills: list[dict[str, Any]] = []
+        pending: dict[str, Any] | None = None  # the last kill, waiting for its rerun's step
+        before = shm_segments()
+        rc: int | None = None
+        for attempt in range(args.kills + 1):
+            job = start(cmd, env, log)
+            reached_before = max(steps_logged(out), default=0)
+            first = wait_for_step(job, out, reached_before if attempt else 0)
+            if pending is not None and first is not None:
+                pending["kill_to_new_step_s"] = first - pending["t_kill"]
+            if attempt == args.kills:  # the last start runs to the end
+                try:
+                    rc = job.wait(timeout=RUN_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(job.pid, signal.SIGKILL)
+                    rc = None
+                break
+            if first is None:  # it ended (or hung) before it could be killed
+                rc = job.poll()
+                break
+            time.sleep(rng.uniform(0.0, 0.9 * span))  # inside the run, whatever its pace
+            if job.poll() is not None:  # finished before the kill: nothing to kill
+                rc = job.returncode
+                kills.append({"finished_before_kill": True})
+                break
+            phase = save_phase(out / "ckpt")
+            os.killpg(job.pid, signal.SIGKILL)
+            t_kill = time.monotonic()
+            # Read right after the kill: a step logged later was trained by a rank that
+            # outlived it (read before the kill, a step finishing meanwhile would count).
+            reached = max(steps_logged(out), default=0)
+            job.wait(timeout=30)
+            survivors = wait_gone(tag, args.settle)
+            # A rank that outlived the kill goes on training: its steps land in the log. The
+            # step in flight may still be logged while the launcher is torn down, before the
+            # ranks' parent-death signal arrives; more than that is an orphan training on.
+            logged_after = max(steps_logged(out), default=0) - reached
+            after_kill = max(0, logged_after - 1)
+            watch.sample()
+            segments = watch.owned(shm_segments() - before)
+            swept = sweep(tag) if survivors else 0
+            resumed = max(committed(out / "ckpt"), default=0)
+            pending = {
+                "phase": phase,
+                "step_reached": reached,
+                "resumed_from": resumed,
+                "steps_lost": reached - resumed,
+                "steps_logged_after_kill": logged_after,
+                "steps_trained_after_kill": after_kill,
+                "processes_left": [f"{pid} {cmd}" for pid, cmd in survivors.items()],
+                "processes_swept": swept,
+                "segments_left": segments,
+                "t_kill": t_kill,
+                "kill_to_new_step_s": math.nan,
+            }
+            kills.append(pending)
+        starts = attempt + 1  # every pass of the loop started the job once
+        finished = rc == 0 and steps_logged(out)[-1:] == [args.steps]
+        for kill in kills:
+            kill.pop("t_kill", None)
+        return {
+            "trial": k,
+            "exit": rc,
+            "starts": starts,
+            "finished": finished,
+            "kills": kills,
+            "losses": losses(out) if (out / "metrics.jsonl").exists() else [],
+            "segments_after_run": watch.owned(shm_segments() - before),
+            "log": str(log),
         }
-        kills.append(pending)
-    starts = attempt + 1  # every pass of the loop started the job once
-    finished = rc == 0 and steps_logged(out)[-1:] == [args.steps]
-    for kill in kills:
-        kill.pop("t_kill", None)
-    return {
-        "trial": k,
-        "exit": rc,
-        "starts": starts,
-        "finished": finished,
-        "kills": kills,
-        "losses": losses(out) if (out / "metrics.jsonl").exists() else [],
-        "segments_after_run": sorted(shm_segments() - before),
-        "log": str(log),
-    }
 
 
 def main() -> None:

@@ -1,7 +1,9 @@
-"""rank_processes: a rank's forked child is not a second process of that rank."""
+"""rank_processes: a rank's forked child is not a second process of that rank; JobWatch:
+the segments a job held are told from another job's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -10,7 +12,7 @@ import uuid
 
 import pytest
 
-from ms_testing.jobs import rank_processes, tag_env, wait_gone
+from ms_testing.jobs import JobWatch, rank_processes, tag_env, wait_gone
 
 MARK = "ms_testing_fake_rank"
 
@@ -61,3 +63,50 @@ def test_a_forked_child_is_not_counted_and_a_launched_rank_is() -> None:
         forking.wait(10)
         launching.wait(10)
         assert not wait_gone(tag, timeout=10)
+
+
+# Creates a /dev/shm file, keeps it open and prints its name, then sleeps.
+HOLDING = """
+import os, sys, time, uuid
+name = f"ms_data_jobwatch_{uuid.uuid4().hex[:8]}"
+f = open(f"/dev/shm/{name}", "wb")
+print(name, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_job_watch_owns_what_the_job_held_and_its_pid_named_buffers_only() -> None:
+    tag = f"jobs-{uuid.uuid4().hex[:8]}"
+    ours = subprocess.Popen(
+        [sys.executable, "-c", HOLDING], env=tag_env(tag), stdout=subprocess.PIPE, text=True
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", HOLDING],
+        env=tag_env("someone-else"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    made: list[str] = []
+    try:
+        with JobWatch(tag, interval=0.05) as watch:
+            mine, theirs = ours.stdout.readline().strip(), other.stdout.readline().strip()
+            made += [mine, theirs]
+            deadline = time.monotonic() + 20
+            while mine not in watch.segments:
+                assert time.monotonic() < deadline, watch.segments
+                time.sleep(0.05)
+            ours.kill()
+            ours.wait(10)
+            # the ckpt names of one of the job's pids and of a pid that was never its
+            by_pid = f"ms_ckpt_4026531836_{ours.pid}_1_ab"
+            stranger = f"ms_ckpt_4026531836_{other.pid}_1_ab"
+            assert watch.owned({mine, theirs, by_pid, stranger}) == sorted([mine, by_pid])
+            assert ours.pid in watch.pids and other.pid not in watch.pids
+    finally:
+        for proc in (ours, other):
+            proc.kill()
+            proc.wait(10)
+        for name in made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")

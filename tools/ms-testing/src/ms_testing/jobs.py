@@ -10,13 +10,16 @@ user, which is what tests and benchmarks here run as.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
 __all__ = [
     "SHM_PREFIXES",
     "TAG_ENV",
+    "JobWatch",
     "rank_processes",
+    "segments_held",
     "shm_segments",
     "tag_env",
     "tagged_processes",
@@ -99,3 +102,66 @@ def rank_processes(tag: str, module: str = "ms_train.cli") -> dict[int, list[int
         if parent not in found:
             by_rank.setdefault(rank, []).append(pid)
     return {r: sorted(p) for r, p in sorted(by_rank.items())}
+
+
+def segments_held(pids: set[int] | list[int]) -> set[str]:
+    """The /dev/shm names that the processes ``pids`` map or hold open."""
+    held: set[str] = set()
+    for pid in pids:
+        proc = Path(f"/proc/{pid}")
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    held.add(line.split("/dev/shm/", 1)[1].split(" ")[0])
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    held.add(target[len("/dev/shm/") :])
+        except OSError:  # gone meanwhile
+            continue
+    return held
+
+
+class JobWatch:
+    """Samples, on a thread every ``interval`` seconds, the processes carrying ``tag``
+    and the /dev/shm segments they hold, so that segments left after the job can be told
+    from those of other jobs on the machine (a test running beside, another soak):
+    :meth:`owned` keeps the segments the job was seen holding, and ms-ckpt's host
+    buffers named after one of its processes (``ms_ckpt_<ns>_<pid>_...``).
+
+    Use as a context manager around the job's life."""
+
+    def __init__(self, tag: str, interval: float = 0.1) -> None:
+        self.tag, self.interval = tag, interval
+        self.pids: set[int] = set()
+        self.segments: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="job-watch", daemon=True)
+
+    def __enter__(self) -> JobWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def sample(self) -> None:
+        pids = set(tagged_processes(self.tag))
+        self.pids |= pids
+        self.segments |= segments_held(pids)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def owned(self, names: set[str] | list[str]) -> list[str]:
+        """Those of ``names`` that are the job's, sorted."""
+        mine = []
+        for name in names:
+            parts = name.split("_")
+            by_pid = name.startswith("ms_ckpt_") and len(parts) > 3 and parts[3].isdigit()
+            if name in self.segments or (by_pid and int(parts[3]) in self.pids):
+                mine.append(name)
+        return sorted(mine)
