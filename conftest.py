@@ -31,10 +31,33 @@ settings.register_profile(
 settings.load_profile("ms")
 
 
+# `make test` runs two pytest lanes side by side (see the Makefile). The jobs lane takes
+# the slow tests under these paths (whole jobs: launchers, torchrun, ranks, faults) and
+# every test marked shm_dead_owner: those leave a dead process's /dev/shm segments on
+# purpose and check them, and a job's ranks sweep such segments when they start, so they
+# must not run beside a job. The rest lane takes everything else.
+JOBS_LANE_PATHS = (
+    "tests/test_dist.py",
+    "tests/test_run_command.py",
+    "packages/ms-health/tests/",
+    "packages/ms-train/tests/",
+)
+
+
+def in_jobs_lane(item: pytest.Item, root: str) -> bool:
+    if item.get_closest_marker("shm_dead_owner") is not None:
+        return True
+    where = os.path.relpath(item.path, root).replace(os.sep, "/")
+    return item.get_closest_marker("slow") is not None and where.startswith(JOBS_LANE_PATHS)
+
+
+# First, so that `-m lane_jobs` sees the marker it adds.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _HAS_CUDA:
-        return
+    root = str(config.rootpath)
     skip = pytest.mark.skip(reason="needs a CUDA device; none is available here")
     for item in items:
-        if "gpu" in item.keywords:
+        if in_jobs_lane(item, root):
+            item.add_marker(pytest.mark.lane_jobs)
+        if not _HAS_CUDA and "gpu" in item.keywords:
             item.add_marker(skip)

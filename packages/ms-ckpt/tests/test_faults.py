@@ -195,6 +195,7 @@ def test_kill_trainer_between_stage1_and_stage2(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # a trainer in a fresh interpreter, killed
+@pytest.mark.shm_dead_owner
 def test_kill_process_tree_during_manifest_write(tmp_path: Path) -> None:
     proc, info = run_hanging_trainer(tmp_path, "manifest")
     step_dir = tmp_path / "step-00000002"

@@ -29,6 +29,7 @@ def dead_process() -> tuple[int, int]:
     return proc.pid, start
 
 
+@pytest.mark.shm_dead_owner
 def test_sweep_removes_only_segments_whose_owner_is_gone() -> None:
     ns = _shm.pid_namespace()
     assert ns is not None

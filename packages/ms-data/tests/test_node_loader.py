@@ -486,6 +486,7 @@ def rank_after_kill(corpus_dir: str, job: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.shm_dead_owner
 def test_restart_after_sigkill_removes_stale_segments(corpus_dir: Path) -> None:
     job = new_job()
     report = launch(rank_sigkilled, 2, args=(str(corpus_dir), job), timeout=60)

@@ -38,10 +38,11 @@ parameters, every kill) to ``--out`` (default ``bench-results/kill_soak.json``).
 
 A segment counts as left when it was not there before the trial, is still there at the
 check, and is the job's: ``ms_testing.jobs.JobWatch`` samples the job's processes and
-the segments they hold every 0.1 s, and an ms-ckpt buffer also carries its maker's pid
-in its name. Segments of other jobs (a test suite running beside the smoke) are not
-counted; a segment the job made and dropped within 0.1 s without ever being seen would
-not be either.
+the segments they hold every 0.1 s and once more just before each kill, and an ms-ckpt
+buffer also carries its maker's pid and start time in its name. Segments of other jobs
+(a test suite running beside the smoke) are not counted. The blind spot: an ms-data
+segment that the job made in the instant between that last sample and the kill, and that
+none of its processes held afterwards, would not be counted either.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ def trial(
                 kills.append({"finished_before_kill": True})
                 break
             phase = save_phase(out / "ckpt")
+            watch.sample()  # the segments held up to the kill, not only up to 0.1 s before
             os.killpg(job.pid, signal.SIGKILL)
             t_kill = time.monotonic()
             # Read right after the kill: a step logged later was trained by a rank that

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from ms_testing.jobs import JobWatch, rank_processes, tag_env, wait_gone
+from ms_testing.jobs import JobWatch, process_starttime, rank_processes, tag_env, wait_gone
 
 MARK = "ms_testing_fake_rank"
 
@@ -28,11 +28,12 @@ print(os.getpid(), child, flush=True)
 time.sleep(60)
 """
 
-# A launcher without RANK that starts a rank: the rank counts, its parent does not.
+# A process that starts a rank: the rank counts, and its parent counts only if it has a
+# RANK of its own (a launcher has none; a rank 4 starting rank 3 is two ranks).
 LAUNCHING = f"""
 import os, subprocess, sys, time  # {MARK}
 rank = subprocess.Popen([sys.executable, "-c", "import time  # {MARK}\\ntime.sleep(60)"],
-                        env={{**os.environ, "RANK": "3"}})
+                        env={{**os.environ, "RANK": sys.argv[1]}})
 print(rank.pid, flush=True)
 time.sleep(60)
 """
@@ -47,21 +48,29 @@ def test_a_forked_child_is_not_counted_and_a_launched_rank_is() -> None:
         [sys.executable, "-c", FORKING], env={**env, "RANK": "2"}, stdout=subprocess.PIPE, text=True
     )
     launching = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHING], env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", LAUNCHING, "3"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    rank4 = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHING, "5"],
+        env={**env, "RANK": "4"},
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         rank2, child = (int(v) for v in forking.stdout.readline().split())
         rank3 = int(launching.stdout.readline())
+        rank5 = int(rank4.stdout.readline())
+        want = {2: [rank2], 3: [rank3], 4: [rank4.pid], 5: [rank5]}
         deadline = time.monotonic() + 30
-        while (found := rank_processes(tag, module=MARK)) != {2: [rank2], 3: [rank3]}:
-            assert time.monotonic() < deadline, (found, rank2, child, rank3)
+        while (found := rank_processes(tag, module=MARK)) != want:
+            assert time.monotonic() < deadline, (found, want, child)
             time.sleep(0.05)
         assert child != rank2
     finally:
         for pid in wait_gone(tag, timeout=0):
             os.kill(pid, 9)
-        forking.wait(10)
-        launching.wait(10)
+        for proc in (forking, launching, rank4):
+            proc.wait(10)
         assert not wait_gone(tag, timeout=10)
 
 
@@ -96,12 +105,17 @@ def test_job_watch_owns_what_the_job_held_and_its_pid_named_buffers_only() -> No
             while mine not in watch.segments:
                 assert time.monotonic() < deadline, watch.segments
                 time.sleep(0.05)
+            ours_start, other_start = process_starttime(ours.pid), process_starttime(other.pid)
+            assert ours_start is not None and other_start is not None
             ours.kill()
             ours.wait(10)
-            # the ckpt names of one of the job's pids and of a pid that was never its
-            by_pid = f"ms_ckpt_4026531836_{ours.pid}_1_ab"
-            stranger = f"ms_ckpt_4026531836_{other.pid}_1_ab"
-            assert watch.owned({mine, theirs, by_pid, stranger}) == sorted([mine, by_pid])
+            # ckpt names of one of the job's processes, of a process that was never its,
+            # and of an earlier process with the job's pid (a recycled pid)
+            by_maker = f"ms_ckpt_4026531836_{ours.pid}_{ours_start}_ab"
+            stranger = f"ms_ckpt_4026531836_{other.pid}_{other_start}_ab"
+            recycled = f"ms_ckpt_4026531836_{ours.pid}_{ours_start - 1}_ab"
+            names = {mine, theirs, by_maker, stranger, recycled}
+            assert watch.owned(names) == sorted([mine, by_maker])
             assert ours.pid in watch.pids and other.pid not in watch.pids
     finally:
         for proc in (ours, other):

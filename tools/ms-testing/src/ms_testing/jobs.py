@@ -18,6 +18,7 @@ __all__ = [
     "SHM_PREFIXES",
     "TAG_ENV",
     "JobWatch",
+    "process_starttime",
     "rank_processes",
     "segments_held",
     "shm_segments",
@@ -84,7 +85,7 @@ def rank_processes(tag: str, module: str = "ms_train.cli") -> dict[int, list[int
 
     A child that a rank forks (a checkpoint writer or loader reader between its fork and
     its exec) briefly shows the rank's command line and environment; it is not counted,
-    since its parent is the rank."""
+    since its parent is the same rank."""
     found: dict[int, tuple[int, int]] = {}  # pid -> (rank, parent pid)
     for pid, cmd in tagged_processes(tag).items():
         if module not in cmd:
@@ -99,9 +100,15 @@ def rank_processes(tag: str, module: str = "ms_train.cli") -> dict[int, list[int
             found[pid] = (ranks[0], parent)
     by_rank: dict[int, list[int]] = {}
     for pid, (rank, parent) in found.items():
-        if parent not in found:
+        if parent not in found or found[parent][0] != rank:
             by_rank.setdefault(rank, []).append(pid)
     return {r: sorted(p) for r, p in sorted(by_rank.items())}
+
+
+def _shm_name(path: str) -> str:
+    """The segment name in a /proc maps or fd target path (an unlinked one carries
+    " (deleted)")."""
+    return path.split("/dev/shm/", 1)[1].split(" ")[0]
 
 
 def segments_held(pids: set[int] | list[int]) -> set[str]:
@@ -110,16 +117,29 @@ def segments_held(pids: set[int] | list[int]) -> set[str]:
     for pid in pids:
         proc = Path(f"/proc/{pid}")
         try:
-            for line in (proc / "maps").read_text().splitlines():
+            for line in (proc / "maps").read_text(errors="replace").splitlines():
                 if "/dev/shm/" in line:
-                    held.add(line.split("/dev/shm/", 1)[1].split(" ")[0])
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("/dev/shm/"):
-                    held.add(target[len("/dev/shm/") :])
+                    held.add(_shm_name(line))
+            fds = list((proc / "fd").iterdir())
         except OSError:  # gone meanwhile
             continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:  # closed meanwhile
+                continue
+            if target.startswith("/dev/shm/"):
+                held.add(_shm_name(target))
     return held
+
+
+def process_starttime(pid: int) -> int | None:
+    """``pid``'s start time in clock ticks since boot (field 22 of /proc/PID/stat), the
+    number ms-ckpt puts in its segment names beside the pid; None if it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class JobWatch:
@@ -129,12 +149,17 @@ class JobWatch:
     :meth:`owned` keeps the segments the job was seen holding, and ms-ckpt's host
     buffers named after one of its processes (``ms_ckpt_<ns>_<pid>_...``).
 
-    Use as a context manager around the job's life."""
+    Use as a context manager around the job's life; :meth:`sample` may also be called
+    directly (just before killing the job, say). An error on the sampling thread is
+    raised again by :meth:`owned` and on leaving the context, not lost."""
 
     def __init__(self, tag: str, interval: float = 0.1) -> None:
         self.tag, self.interval = tag, interval
-        self.pids: set[int] = set()
+        #: (pid, start time) of every process of the job seen so far.
+        self.processes: set[tuple[int, int]] = set()
         self.segments: set[str] = set()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="job-watch", daemon=True)
 
@@ -145,23 +170,46 @@ class JobWatch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self._raise_thread_error()
+
+    @property
+    def pids(self) -> set[int]:
+        with self._lock:
+            return {pid for pid, _ in self.processes}
 
     def sample(self) -> None:
         pids = set(tagged_processes(self.tag))
-        self.pids |= pids
-        self.segments |= segments_held(pids)
+        seen = {(pid, start) for pid in pids if (start := process_starttime(pid)) is not None}
+        held = segments_held(pids)
+        with self._lock:
+            self.processes |= seen
+            self.segments |= held
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval)
+        try:
+            while not self._stop.is_set():
+                self.sample()
+                self._stop.wait(self.interval)
+        except BaseException as e:  # kept for the caller; the thread has no one to tell
+            self._error = e
+
+    def _raise_thread_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"JobWatch({self.tag!r}) stopped sampling") from self._error
 
     def owned(self, names: set[str] | list[str]) -> list[str]:
         """Those of ``names`` that are the job's, sorted."""
+        self._raise_thread_error()
+        with self._lock:
+            segments, processes = set(self.segments), set(self.processes)
         mine = []
         for name in names:
+            # ms_ckpt_<pid namespace>_<pid>_<start time>_<random>
             parts = name.split("_")
-            by_pid = name.startswith("ms_ckpt_") and len(parts) > 3 and parts[3].isdigit()
-            if name in self.segments or (by_pid and int(parts[3]) in self.pids):
+            maker = None
+            digits = len(parts) > 4 and parts[3].isdigit() and parts[4].isdigit()
+            if name.startswith("ms_ckpt_") and digits:
+                maker = (int(parts[3]), int(parts[4]))
+            if name in segments or maker in processes:
                 mine.append(name)
         return sorted(mine)
