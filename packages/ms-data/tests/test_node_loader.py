@@ -693,3 +693,73 @@ def test_the_reader_ignores_sigint_and_sigterm(corpus_dir: Path) -> None:
     ref = make_dataset(corpus_dir)
     for step, batch in enumerate(got):
         np.testing.assert_array_equal(batch, expected_batch(ref, step, 0, 1, 4))
+
+
+# A training loop that handles SIGTERM itself (finish the step, then stop), as ms-train's
+# does: after the signal it still needs batches, more than the ring holds.
+GRACEFUL = """
+import json, signal, sys, time
+from ms_data.dataset import PackedDataset
+from ms_data.node_loader import NodeLoader, NodeLoaderError
+from ms_data.shard import Corpus
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+ds = PackedDataset(Corpus(sys.argv[1]), 32, seed=7, eos_id=65000)
+loader = NodeLoader(ds, micro_batch=2, job_id=sys.argv[2], timeout=30, depth=2,
+                    signal_cleanup=sys.argv[3] == "1")
+next(loader)
+print(json.dumps({"segment": loader.segment_name, "reader": loader.reader_pid}), flush=True)
+while not stop:
+    time.sleep(0.01)
+try:
+    for _ in range(10):
+        next(loader)
+    print("fed", flush=True)
+except NodeLoaderError as e:
+    print("starved:", e, flush=True)
+loader.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cleanup", [True, False])
+def test_signal_cleanup_off_leaves_the_signal_to_a_loop_that_closes(
+    corpus_dir: Path, cleanup: bool
+) -> None:
+    """With the default, SIGTERM stops the reader and unlinks the segment at once, so a
+    loop that handles the signal to finish its step is starved; with
+    ``signal_cleanup=False`` the reader goes on until the loop closes the loader."""
+    job = new_job()
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", GRACEFUL, str(corpus_dir), job, "1" if cleanup else "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the child never started loading"
+        info = json.loads(proc.stdout.readline())
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, err
+    if cleanup:
+        assert out.startswith("starved:") and "is gone" in out, out
+    else:
+        assert out == "fed\n", out + err
+    assert job_segments(job) == []
+    deadline = time.monotonic() + 10
+    while process_alive(info["reader"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not process_alive(info["reader"])
+
+
+def test_signal_cleanup_must_be_a_bool(corpus_dir: Path) -> None:
+    with pytest.raises(TypeError, match="signal_cleanup must be a bool, got 'no'"):
+        NodeLoader(make_dataset(corpus_dir), micro_batch=2, job_id=new_job(), signal_cleanup="no")  # type: ignore[arg-type]

@@ -370,17 +370,37 @@ def test_a_job_error_on_the_ranks_is_printed_once(corpus: Path, tmp_path: Path) 
 @pytest.mark.timeout(200)
 def test_one_process_stops_on_ctrl_c(corpus: Path, tmp_path: Path) -> None:
     """``ms-train`` without ``--nproc``: Ctrl-C reaches the trainer, its data reader and
-    its checkpoint writer (one process group); one account, exit 130, no traceback."""
+    its checkpoint writer (one process group); one account, exit 130, no traceback.
+
+    The data reader is held (SIGSTOP) until the trainer has used every prefetched batch,
+    so the step the trainer finishes after Ctrl-C needs a batch the reader has yet to
+    make: the reader must outlive the first Ctrl-C (it was killed with the segment's
+    cleanup, and the step failed with "the NodeLoader reader process ... is gone")."""
     out = tmp_path / "out"
     config = _write_config(tmp_path / "c.toml", corpus, out, every=5)
     job = _start("-m", "ms_train.cli", "--config", str(config))
+    reader = None
     try:
         _wait_for("step 8", lambda: _reached(out) >= 8, job)
         tree = _descendants(job.pid)
         assert any("ms_ckpt._worker" in cmd for cmd in tree.values()), tree
+        (reader,) = [p for p, cmd in tree.items() if "ms_data._reader" in cmd]
+        os.kill(reader, signal.SIGSTOP)
+        seen, since = _reached(out), time.monotonic()
+        while time.monotonic() - since < 1.5:  # no new step for 1.5 s: the ring is empty
+            assert job.poll() is None and _reached(out) < STEPS, "the run ended"
+            if _reached(out) != seen:
+                seen, since = _reached(out), time.monotonic()
+            time.sleep(0.05)
         os.killpg(job.pid, signal.SIGINT)
+        time.sleep(0.5)
+        with suppress(ProcessLookupError):  # gone: the Ctrl-C killed it
+            os.kill(reader, signal.SIGCONT)
         output, _ = job.communicate(timeout=120)
     finally:
+        if reader is not None:
+            with suppress(ProcessLookupError):
+                os.kill(reader, signal.SIGCONT)
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait(timeout=60)

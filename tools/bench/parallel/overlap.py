@@ -18,13 +18,16 @@ parameters, fp32), 1,024 random tokens (rows) per rank against random targets, M
 1. **compute only (floor)**: the plain model, no communication at all; the floor every
    data-parallel step sits on.
 2. **ms ZeRO-2**: ``ms_parallel.ZeroDataParallel`` (a chunk per block, 25 MiB buckets),
-   AdamW on its shard views; every all-gather issued as the optimizer step ends.
-   **ms ZeRO-2, first chunk replicated**: the same with ``replicated_chunks=1``: the
-   first block's gradients all-reduced, its optimizer step on every rank, and no
-   all-gather between the optimizer step and the first forward (DeepSpeed's
-   persistence of small parameters); **first 2 chunks replicated**: two blocks kept
-   whole, so the first all-gather waited for hides behind two blocks' forward, at the
-   memory of their replicated optimizer state. **ms ZeRO-2, chain of 1**: the same with
+   AdamW on its shard views, stepped through ``zero.step(opt)``: chunk by chunk in
+   forward order, each chunk's all-gather issued as soon as its shard is updated, so
+   the next step's first all-gather hides behind the rest of the optimizer step.
+   **ms ZeRO-2, gathers after the whole step**: the same stepped with ``opt.step()``,
+   every all-gather issued when the whole step ends (nothing hides the first one in a
+   loop with nothing between steps). **ms ZeRO-2, first chunk replicated**: the
+   default with ``replicated_chunks=1``: the first block's gradients all-reduced, its
+   optimizer step on every rank, and no all-gather between the optimizer step and the
+   first forward (DeepSpeed's persistence of small parameters). Every ms candidate
+   steps through ``zero.step(opt)``. **ms ZeRO-2, chain of 1**: the same with
    ``prefetch_chunks=1`` (chunk k + 1's all-gather issued as chunk k starts, the
    paper's chain). **ms ZeRO-2, serialized**:
    ``prefetch=False``, every collective waited right after it is issued; overlapped /
@@ -198,11 +201,24 @@ def torch_fsdp2_zero2_async(model: nn.Sequential, comm: Comm, config: BenchConfi
     return step
 
 
+def zero_training_step(zero: ZeroDataParallel, opt: torch.optim.Optimizer) -> Step:
+    """As :func:`training_step`, stepping through ``zero.step(opt)``: AdamW chunk by
+    chunk, each chunk's all-gather issued as soon as its shard is updated."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        nn.functional.mse_loss(zero(x), y).backward()
+        zero.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def ms_zero2(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
     """ms-parallel ZeRO-2: a chunk per block, reduce-scatter per bucket as its gradients
-    are ready, all-gather deferred into the next forward with chained prefetch."""
+    are ready, the optimizer stepped chunk by chunk with each chunk's all-gather issued
+    as its shard is updated, waited just before the chunk's next forward."""
     zero = ZeroDataParallel(model, comm.group)
-    return training_step(
+    return zero_training_step(
         zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
     )
 
@@ -211,15 +227,15 @@ def ms_zero2_replicated1(model: nn.Sequential, comm: Comm, config: BenchConfig) 
     """The same with the first chunk kept replicated: its gradients all-reduced as they
     are ready, no all-gather before the next step's first forward."""
     zero = ZeroDataParallel(model, comm.group, replicated_chunks=1)
-    return training_step(
+    return zero_training_step(
         zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
     )
 
 
-def ms_zero2_replicated2(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
-    """The same with the first two chunks replicated: the all-gather that the first
-    forward waits for is the third chunk's, behind two blocks' forward."""
-    zero = ZeroDataParallel(model, comm.group, replicated_chunks=2)
+def ms_zero2_whole_step(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
+    """The same stepped with one ``opt.step()``: every all-gather issued after the whole
+    optimizer step (ms-parallel 0.1's only way), none hidden behind it."""
+    zero = ZeroDataParallel(model, comm.group)
     return training_step(
         zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
     )
@@ -229,7 +245,7 @@ def ms_zero2_chain1(model: nn.Sequential, comm: Comm, config: BenchConfig) -> St
     """The same with the paper's chain: chunk k + 1's all-gather issued as chunk k
     starts (the default gathers every chunk as the optimizer step ends)."""
     zero = ZeroDataParallel(model, comm.group, prefetch_chunks=1)
-    return training_step(
+    return zero_training_step(
         zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
     )
 
@@ -238,7 +254,7 @@ def ms_zero2_serialized(model: nn.Sequential, comm: Comm, config: BenchConfig) -
     """The same, each collective waited right after it is issued: the serialized
     baseline the overlapped one is measured against."""
     zero = ZeroDataParallel(model, comm.group, prefetch=False)
-    return training_step(
+    return zero_training_step(
         zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
     )
 
@@ -247,7 +263,7 @@ CANDIDATES: dict[str, Candidate] = {
     FLOOR: compute_only,
     "ms ZeRO-2": ms_zero2,
     "ms ZeRO-2, first chunk replicated": ms_zero2_replicated1,
-    "ms ZeRO-2, first 2 chunks replicated": ms_zero2_replicated2,
+    "ms ZeRO-2, gathers after the whole step": ms_zero2_whole_step,
     "ms ZeRO-2, chain of 1": ms_zero2_chain1,
     "ms ZeRO-2, serialized": ms_zero2_serialized,
     "torch DDP": torch_ddp,

@@ -31,7 +31,8 @@ or in a loader rebuilt with the same name, it waits for local rank 0's new ring.
 
 **Cleanup.** Local rank 0 owns the segment: ``close()``, the context manager, garbage
 collection and interpreter exit (``weakref.finalize``) stop the reader and unlink it;
-SIGINT/SIGTERM unlink it and then chain to the previous handler (``ms_data._cleanup``);
+SIGINT/SIGTERM unlink it and then chain to the previous handler (``ms_data._cleanup``;
+``signal_cleanup=False`` leaves the signals to a caller that closes the loader itself);
 a reader whose parent died unlinks it; at start, local rank 0 unlinks every
 ``ms_data_*`` segment whose creator is dead (SIGKILLed runs).
 
@@ -140,6 +141,13 @@ class NodeLoader:
             reader's main thread: only decompression and reads release the GIL, and
             on a 2-core machine 2 threads measured slower than 1
             (``ms_data._reader``).
+        signal_cleanup: on SIGINT and SIGTERM, stop the reader and unlink the segment
+            at once, then hand the signal on (the default: a loop that dies of the
+            signal leaves nothing). ``False`` for a caller that handles those signals
+            itself and closes the loader when it is done: a training loop that
+            finishes its step and checkpoints on a signal still needs its batches,
+            and with the default the reader would be gone. A hard kill still leaves
+            nothing that the next start does not sweep.
     """
 
     def __init__(
@@ -157,6 +165,7 @@ class NodeLoader:
         job_id: str | None = None,
         name: str = "train",
         reader_threads: int = 1,
+        signal_cleanup: bool = True,
     ) -> None:
         for arg, value in (
             ("micro_batch", micro_batch),
@@ -167,6 +176,9 @@ class NodeLoader:
             check_int(arg, value, minimum=1)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        if not isinstance(signal_cleanup, bool):
+            raise TypeError(f"signal_cleanup must be a bool, got {signal_cleanup!r}")
+        self.signal_cleanup = signal_cleanup
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise ValueError(f"name must match {_NAME_RE.pattern}, got {name!r}")
         try:
@@ -402,7 +414,8 @@ class NodeLoader:
         self._reader = reader
         me = os.getpid()
         self._finalizer = weakref.finalize(self, _shutdown, ring, reader, me, False)
-        self._signal_key = _cleanup.on_signal(lambda: _shutdown(ring, reader, me, True))
+        if self.signal_cleanup:
+            self._signal_key = _cleanup.on_signal(lambda: _shutdown(ring, reader, me, True))
         return ring
 
     def _attach(self, name: str, spec: RingSpec) -> ShmRing:

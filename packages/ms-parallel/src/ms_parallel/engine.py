@@ -281,7 +281,7 @@ class ZeroEngine:
         zero = _set(self.zero, "step")
         loss = _micro_batches(zero, zero.no_sync, next_batch, loss_fn, grad_accum, self.device)
         norm = zero.clip_grad_norm_(_max_norm(max_norm))
-        self.optimizer.step()
+        zero.step(self.optimizer)  # chunk by chunk where that is the same update
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, norm)
 

@@ -11,7 +11,8 @@ The kinds ms-parallel emits (others are allowed):
 ``"issue"``               a collective or p2p op was issued (not yet complete)
 ``"wait_begin"``          the caller starts waiting for an op's result
 ``"wait_end"``            the wait returned: the result is usable
-``"compute_begin"``       a chunk's forward or backward compute starts
+``"compute_begin"``       a chunk's forward or optimizer step (name ``"optimizer"``,
+                          from ``ZeroDataParallel.step`` by chunk) starts
 ``"compute_end"``         it ends
 ``"complete"``            the latency backend completed an op (ms_parallel.latency)
 ========================  ==========================================================

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -60,6 +61,21 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # optimizer updated this rank's shard and the others are behind. GATHERING: the
 # all-gather is in flight; nobody may read the buffer until it is waited.
 _FRESH, _STALE, _GATHERING = "fresh", "stale", "gathering"
+
+# torch's optimizers whose update of an element reads only that element's gradient and
+# state, and that count steps per parameter: stepping them chunk by chunk, one call per
+# chunk on that chunk's views, is the same update as one call on all of them.
+_ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adadelta,
+)
 
 
 class _Bucket:
@@ -260,7 +276,9 @@ class ZeroDataParallel(nn.Module):
         self._backward_queued = False
         self._synced_since_step = False
         self._bare_step = False  # an optimizer step that only creates the state
+        self._stepping_chunk: int | None = None  # inside step(by_chunk=True): that chunk's
         self._optimizers: list[RemovableHandle] = []
+        self._attached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._handles: list[RemovableHandle] = []
         for p in params:
             if p.requires_grad:
@@ -377,9 +395,61 @@ class ZeroDataParallel(nn.Module):
                         "optimizer holds a tensor that is not one of this "
                         "wrapper's shard views (build it on optimizer_param_groups)"
                     )
+        self._attached.add(optimizer)
         self._optimizers.append(optimizer.register_step_pre_hook(self._before_step))
         self._optimizers.append(optimizer.register_step_post_hook(self._after_step))
         return optimizer
+
+    def step(self, optimizer: torch.optim.Optimizer, *, by_chunk: bool | None = None) -> None:
+        """Step ``optimizer`` (attached with :meth:`attach_optimizer`) on the reduced
+        gradients, and issue the next step's all-gathers.
+
+        ``by_chunk=True`` steps it once per chunk, in forward order, each call seeing only
+        that chunk's shard views (the others' ``.grad`` set to ``None`` meanwhile), and
+        issues each chunk's all-gather as soon as its shard is updated: the next step's
+        first all-gather then hides behind the rest of the optimizer step instead of
+        standing between the step and the first forward. It is the same update only for
+        an optimizer whose update of an element reads nothing but that element's
+        gradient and state, and that counts steps per parameter; its step hooks run once
+        per chunk. ``None`` (default): by chunk for torch's element-wise optimizers
+        (SGD, Adam, AdamW, Adagrad, Adamax, NAdam, RAdam, RMSprop, Adadelta; their exact
+        classes), one ``optimizer.step()`` for any other (ms-optim's LAMB computes
+        whole-parameter norms with one all-reduce per step). ``False``: one call, as
+        ``optimizer.step()`` does. Without prefetching (``prefetch=False``) or with one
+        chunk there is nothing to overlap, and it is one call."""
+        if optimizer not in self._attached:
+            raise ValueError(
+                "optimizer must be attached to this wrapper first (attach_optimizer), "
+                f"got an unattached {type(optimizer).__name__}"
+            )
+        if by_chunk is None:
+            by_chunk = type(optimizer) in _ELEMENTWISE_OPTIMIZERS
+        if not by_chunk or not self.prefetch or len(self._chunks) < 2 or self._bare_step:
+            optimizer.step()
+            return
+        if not self._synced_since_step:  # the refusal a plain step gives
+            self._before_step(optimizer, (), {})
+        mine = {id(t) for g in optimizer.param_groups for t in g["params"]}
+        chunk_views: list[list[torch.Tensor]] = [
+            [v for b in bs for *_, v, _ in b.local if id(v) in mine] for bs in self._by_chunk
+        ]
+        grads = {id(v): v.grad for vs in chunk_views for v in vs}
+        try:
+            for k in range(len(chunk_views)):
+                for j, vs in enumerate(chunk_views):
+                    for v in vs:
+                        v.grad = grads[id(v)] if j == k else None
+                self._stepping_chunk = k
+                optimizer.step()  # its hooks emit the chunk's events and issue its gather
+        except BaseException:
+            # Some chunks stepped, others not: a second try would step the first twice.
+            self._synced_since_step = False
+            raise
+        finally:
+            self._stepping_chunk = None
+            for vs in chunk_views:
+                for v in vs:
+                    v.grad = grads[id(v)]
 
     def shard_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradients, one per bucket: its shard of a sharded bucket,
@@ -545,16 +615,27 @@ class ZeroDataParallel(nn.Module):
                 "optimizer.step() before the gradients were reduced: run the last "
                 "micro-batch's backward outside no_sync() first"
             )
-        for b in self.buckets:
+        k = self._stepping_chunk
+        for b in self.buckets if k is None else self._by_chunk[k]:
             if b.state == _GATHERING:  # the optimizer writes into the gathered buffer
                 self._wait_bucket_gather(b)
+        if k is not None:
+            self._emit("optimizer", "compute_begin", chunk=k)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._bare_step:
             return
-        for b in self.buckets:
+        k = self._stepping_chunk
+        for b in self.buckets if k is None else self._by_chunk[k]:
             if not b.replicated:  # every rank stepped a replicated bucket whole
                 b.state = _STALE
+        if k is not None:  # step(by_chunk=True): this chunk's shard is final
+            self._emit("optimizer", "compute_end", chunk=k)
+            if k == len(self._chunks) - 1:
+                self._synced_since_step = False
+            if self.prefetch_chunks is None or k <= self.prefetch_chunks:
+                self._issue_gather(k)  # the later chunks' steps hide it
+            return
         self._synced_since_step = False
         if self._chunks:
             self._issue_gather(0)  # the next step's first gather overlaps data loading

@@ -392,6 +392,9 @@ class Trainer:
             local_world_size=self.local_world_size,
             depth=c.data.prefetch,
             job_id=job_id,
+            # train() handles SIGINT and SIGTERM (finish the step, save) and closes the
+            # loader; the reader must outlive the first signal to feed that step.
+            signal_cleanup=False,
         )
 
     def _held_out_eval(self) -> HeldOutEval:

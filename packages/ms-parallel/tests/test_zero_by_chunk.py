@@ -1,0 +1,210 @@
+"""ZeroDataParallel.step: an element-wise optimizer stepped chunk by chunk, each chunk's
+all-gather issued as soon as its shard is updated, is the same training as one step."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ms_testing.dist import run_ranks
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _models import batches, make_net, reference  # noqa: E402
+
+from ms_parallel import ZeroDataParallel  # noqa: E402
+
+STEPS = 4
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=3e-2, weight_decay=0.1)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+OPTIMIZERS = {"adamw": adamw, "sgd": sgd}
+
+
+def _train(zero, opt, rank, world, accum, mode):
+    """STEPS steps on this rank's part of the global batch of 8; ``mode``: "plain"
+    (``opt.step()``), "default" (``zero.step(opt)``), "chunks" (``by_chunk=True``) or
+    "one" (``by_chunk=False``). Returns the losses and the optimizer calls per step."""
+    calls: list[int] = []
+    opt.register_step_post_hook(lambda *_: calls.append(1))
+    local = 8 // world
+    micro = local // accum
+    losses, per_step = [], []
+    for tokens, targets in batches(STEPS, 8):
+        tokens = tokens[rank * local : (rank + 1) * local]
+        targets = targets[rank * local : (rank + 1) * local]
+        total = torch.zeros(())
+        for m in range(accum):
+            part = slice(m * micro, (m + 1) * micro)
+            if m < accum - 1:
+                with zero.no_sync():
+                    loss = zero(tokens[part], targets[part])
+                    (loss / accum).backward()
+            else:
+                loss = zero(tokens[part], targets[part])
+                (loss / accum).backward()
+            total += loss.detach() / accum
+        before = len(calls)
+        if mode == "plain":
+            opt.step()
+        elif mode == "default":
+            zero.step(opt)
+        else:
+            zero.step(opt, by_chunk=mode == "chunks")
+        per_step.append(len(calls) - before)
+        opt.zero_grad(set_to_none=True)
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    zero.gather_params()
+    return losses, per_step
+
+
+def _run(opt_name, accum, bucket_mb, replicated, chain, mode, group, on_event=None):
+    rank = 0 if group is None else dist.get_rank()
+    world = 1 if group is None else dist.get_world_size()
+    net = make_net()
+    zero = ZeroDataParallel(
+        net,
+        group,
+        bucket_mb=bucket_mb,
+        replicated_chunks=replicated,
+        prefetch_chunks=chain,
+        on_event=on_event,
+    )
+    opt = zero.attach_optimizer(OPTIMIZERS[opt_name](zero.optimizer_param_groups()))
+    losses, calls = _train(zero, opt, rank, world, accum, mode)
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    return losses, params, calls, len(zero._chunks)
+
+
+def _rank_both(opt_name, accum, bucket_mb, replicated, chain):
+    group = dist.group.WORLD
+    return {
+        mode: _run(opt_name, accum, bucket_mb, replicated, chain, mode, group)
+        for mode in ("plain", "default")
+    }
+
+
+CASES = [
+    ("adamw", 1, 25.0, 0, None),
+    ("adamw", 2, 0.002, 0, None),  # many uneven buckets, a parameter larger than one
+    ("sgd", 1, 0.002, 1, None),  # the first chunk replicated
+    ("adamw", 1, 25.0, 0, 1),  # the paper's chain of 1
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("opt_name", "accum", "bucket_mb", "replicated", "chain"), CASES)
+def test_by_chunk_is_the_same_training(opt_name, accum, bucket_mb, replicated, chain):
+    """zero.step(opt), by chunk for these optimizers, against opt.step() (one call, every
+    gather after it) bit for bit, and against one process on the whole batch."""
+    ref_losses, ref_params = reference(STEPS, 8, lambda n: OPTIMIZERS[opt_name](n.parameters()))
+    out = run_ranks(
+        _rank_both, 2, args=(opt_name, accum, bucket_mb, replicated, chain), timeout=120
+    )
+    for runs in out:
+        plain, chunked = runs["plain"], runs["default"]
+        n_chunks = chunked[3]
+        assert plain[2] == [1] * STEPS
+        assert chunked[2] == [n_chunks] * STEPS  # one optimizer call per chunk
+        assert chunked[0] == plain[0]
+        for name, p in plain[1].items():
+            assert torch.equal(chunked[1][name], p), name
+        assert chunked[0] == pytest.approx(ref_losses, rel=1e-5)
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(chunked[1][name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _rank_events():
+    events: list[tuple[str, str, dict]] = []
+    _run(
+        "adamw",
+        1,
+        0.002,
+        0,
+        None,
+        "default",
+        dist.group.WORLD,
+        on_event=lambda name, kind, t, **a: events.append((name, kind, a)),
+    )
+    return events
+
+
+def test_events_show_each_gather_issued_as_its_chunk_is_stepped():
+    for events in run_ranks(_rank_events, 2, timeout=60):
+        # The first optimizer step's events, up to the second step's first forward.
+        start = next(i for i, e in enumerate(events) if e[0] == "optimizer")
+        end = next(i for i, e in enumerate(events) if i > start and e[0] == "chunk")
+        step = events[start:end]
+
+        def index(name, kind, chunk, step=step):
+            return next(
+                i for i, e in enumerate(step) if e[:2] == (name, kind) and e[2]["chunk"] == chunk
+            )
+
+        chunks = sorted({e[2]["chunk"] for e in step if e[0] == "optimizer"})
+        assert len(chunks) > 2
+        for k in chunks:
+            # Chunk k's gather goes out once its shard is updated, before the next chunk
+            # is stepped: the rest of the optimizer step hides it.
+            issued = index("all_gather", "issue", k)
+            assert index("optimizer", "compute_end", k) < issued
+            if k + 1 in chunks:
+                assert issued < index("optimizer", "compute_begin", k + 1)
+        # Nothing of it is waited inside the step: the first wait is the next forward's.
+        last_end = index("optimizer", "compute_end", chunks[-1])
+        waits = [i for i, e in enumerate(step) if e[:2] == ("all_gather", "wait_begin")]
+        assert waits and min(waits) > last_end
+
+
+@pytest.mark.parametrize("mode", ["default", "chunks", "one"])
+def test_one_process_modes_match_plain_training(mode):
+    plain = _run("adamw", 2, 0.002, 0, None, "plain", None)
+    out = _run("adamw", 2, 0.002, 0, None, mode, None)
+    assert out[2] == [1 if mode == "one" else out[3]] * STEPS
+    assert out[0] == plain[0]
+    for name, p in plain[1].items():
+        assert torch.equal(out[1][name], p), name
+
+
+class OwnAdamW(torch.optim.AdamW):
+    """A subclass: it may override step, so it is not taken for element-wise."""
+
+
+def test_other_optimizers_step_in_one_call_by_default():
+    net = make_net()
+    zero = ZeroDataParallel(net, None, bucket_mb=0.002)
+    opt = zero.attach_optimizer(OwnAdamW(zero.optimizer_param_groups(), lr=3e-2, weight_decay=0.1))
+    losses, calls = _train(zero, opt, 0, 1, 1, "default")
+    assert calls == [1] * STEPS
+    plain = _run("adamw", 1, 0.002, 0, None, "plain", None)
+    assert losses == plain[0]
+
+
+def test_step_refuses_an_unattached_optimizer_and_a_step_before_backward():
+    zero = ZeroDataParallel(make_net(), None)
+    loose = adamw(zero.optimizer_param_groups())
+    with pytest.raises(ValueError, match=r"attached to this wrapper first.*AdamW"):
+        zero.step(loose)
+    opt = zero.attach_optimizer(adamw(zero.optimizer_param_groups()))
+    with pytest.raises(RuntimeError, match="before the gradients were reduced"):
+        zero.step(opt)
+    tokens, targets = batches(1, 2)[0]
+    zero(tokens, targets).backward()
+    zero.step(opt)
+    with pytest.raises(RuntimeError, match="before the gradients were reduced"):
+        zero.step(opt)  # a second step on the same gradients
