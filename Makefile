@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 DIST ?= dist
 BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest pytest-jobs pytest-rest test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health bench-health-overhead bench-health-recovery bench-health-soak clean
+.PHONY: run test test-fast lint typecheck pytest pytest-jobs pytest-rest pytest-alone test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health bench-health-overhead bench-health-recovery bench-health-soak clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -54,17 +54,22 @@ run: $(STAMP)
 # slow tests of ms-health and ms-train, and the installed and `make run` demos:
 # launchers, torchrun, ranks, faults), whose output streams; and everything else (the
 # fast tier, then the other slow tests), whose output is printed whole when it ends.
-# conftest.py marks the jobs lane's tests `lane_jobs`, so that together the lanes run
-# every test once. Both must pass. The suite used 17 min of CPU in 21 min of wall time on
-# 2 cores when it ran as one pytest: it mostly waits on processes and deadlines. With
-# PYTEST_ARGS (a selection of your own), one pytest runs everything selected instead.
+# conftest.py marks the jobs lane's tests `lane_jobs`. The few tests marked
+# `shm_dead_owner` run alone after both (they assert on /dev/shm segments that processes
+# in either lane would sweep). Together they run every test once, and all must pass. The
+# suite used 17 min of CPU in 21 min of wall time on 2 cores when it ran as one pytest:
+# it mostly waits on processes and deadlines. With PYTEST_ARGS (a selection of your
+# own), one pytest runs everything selected instead.
 ifeq ($(strip $(PYTEST_ARGS)),)
 TEST_LANES := pytest-jobs pytest-rest
+TEST_AFTER := pytest-alone
 else
 TEST_LANES := pytest
+TEST_AFTER :=
 endif
 test: lint
 	@$(MAKE) --no-print-directory -j3 typecheck $(TEST_LANES)
+	@$(if $(TEST_AFTER),$(MAKE) --no-print-directory $(TEST_AFTER))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -82,14 +87,18 @@ pytest-jobs: $(STAMP)
 	$(BIN)/python -m pytest -m lane_jobs; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests were selected"; rc=0; fi; exit $$rc
 
+pytest-alone: $(STAMP)
+	$(BIN)/python -m pytest -m shm_dead_owner -p no:cacheprovider; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests were selected"; rc=0; fi; exit $$rc
+
 # The rest: every test the jobs lane leaves out, its log kept in $(REST_LOG) too. Its
 # own cache off: the jobs lane's pytest writes .pytest_cache meanwhile.
 REST_LOG ?= $(VENV)/pytest-rest.log
 pytest-rest: $(STAMP)
 	@log=$(REST_LOG); echo "the fast tier and the libraries' slow tests run beside; their output follows when they end (and is in $$log)"; \
-	$(BIN)/python -m pytest -m 'not slow and not lane_jobs' -p no:cacheprovider >$$log 2>&1; a=$$?; \
-	$(BIN)/python -m pytest -m 'slow and not lane_jobs' -p no:cacheprovider >>$$log 2>&1; b=$$?; \
-	echo "===== the fast tier (pytest -m 'not slow'), then the libraries' slow tests ====="; \
+	$(BIN)/python -m pytest -m 'not slow and not lane_jobs and not shm_dead_owner' -p no:cacheprovider >$$log 2>&1; a=$$?; \
+	$(BIN)/python -m pytest -m 'slow and not lane_jobs and not shm_dead_owner' -p no:cacheprovider >>$$log 2>&1; b=$$?; \
+	echo "===== the rest lane: the fast tier, then the other slow tests ====="; \
 	cat $$log; rc=0; \
 	for c in $$a $$b; do if [ $$c -ne 0 ] && [ $$c -ne 5 ]; then rc=$$c; fi; done; exit $$rc
 

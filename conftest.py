@@ -32,10 +32,11 @@ settings.load_profile("ms")
 
 
 # `make test` runs two pytest lanes side by side (see the Makefile). The jobs lane takes
-# the slow tests under these paths (whole jobs: launchers, torchrun, ranks, faults) and
-# every test marked shm_dead_owner: those leave a dead process's /dev/shm segments on
-# purpose and check them, and a job's ranks sweep such segments when they start, so they
-# must not run beside a job. The rest lane takes everything else.
+# the slow tests under these paths: whole jobs (launchers, torchrun, ranks, faults). The
+# rest lane takes everything else but the tests marked shm_dead_owner: those leave a
+# dead process's /dev/shm segments on purpose and check them, and both lanes start
+# processes that sweep such segments (a job's ranks, a Checkpointer, a NodeLoader), so
+# they run alone after the lanes.
 JOBS_LANE_PATHS = (
     "tests/test_dist.py",
     "tests/test_run_command.py",
@@ -46,7 +47,7 @@ JOBS_LANE_PATHS = (
 
 def in_jobs_lane(item: pytest.Item, root: str) -> bool:
     if item.get_closest_marker("shm_dead_owner") is not None:
-        return True
+        return False
     where = os.path.relpath(item.path, root).replace(os.sep, "/")
     return item.get_closest_marker("slow") is not None and where.startswith(JOBS_LANE_PATHS)
 

@@ -120,7 +120,8 @@ def test_by_chunk_is_the_same_training(opt_name, accum, bucket_mb, replicated, c
         plain, chunked = runs["plain"], runs["default"]
         n_chunks = chunked[3]
         assert plain[2] == [1] * STEPS
-        assert chunked[2] == [n_chunks] * STEPS  # one optimizer call per chunk
+        # One optimizer call per chunk; with a chain of 1, chunks 0 and 1 and the rest.
+        assert chunked[2] == [n_chunks if chain is None else 3] * STEPS
         assert chunked[0] == plain[0]
         for name, p in plain[1].items():
             assert torch.equal(chunked[1][name], p), name
@@ -129,23 +130,26 @@ def test_by_chunk_is_the_same_training(opt_name, accum, bucket_mb, replicated, c
             torch.testing.assert_close(chunked[1][name], ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _rank_events():
+def _rank_events(chain):
     events: list[tuple[str, str, dict]] = []
-    _run(
+    _, _, calls, n_chunks = _run(
         "adamw",
         1,
         0.002,
         0,
-        None,
+        chain,
         "default",
         dist.group.WORLD,
         on_event=lambda name, kind, t, **a: events.append((name, kind, a)),
     )
-    return events
+    return events, calls, n_chunks
 
 
-def test_events_show_each_gather_issued_as_its_chunk_is_stepped():
-    for events in run_ranks(_rank_events, 2, timeout=60):
+@pytest.mark.parametrize("chain", [None, 1])
+def test_events_show_each_gather_issued_as_its_chunk_is_stepped(chain):
+    for events, calls, n_chunks in run_ranks(_rank_events, 2, args=(chain,), timeout=60):
+        # Chunks 0 and 1 on their own with a chain of 1, the rest in one last call.
+        assert calls == [n_chunks if chain is None else 3] * STEPS
         # The first optimizer step's events, up to the second step's first forward.
         start = next(i for i, e in enumerate(events) if e[0] == "optimizer")
         end = next(i for i, e in enumerate(events) if i > start and e[0] == "chunk")
@@ -157,13 +161,17 @@ def test_events_show_each_gather_issued_as_its_chunk_is_stepped():
             )
 
         chunks = sorted({e[2]["chunk"] for e in step if e[0] == "optimizer"})
-        assert len(chunks) > 2
-        for k in chunks:
+        assert chunks == list(range(n_chunks)) and n_chunks > 2
+        gathered = sorted(e[2]["chunk"] for e in step if e[:2] == ("all_gather", "issue"))
+        # Every chunk's gather during the step by default; with a chain of 1, only the
+        # first two chunks' (forward issues the others' one chunk ahead).
+        assert sorted(set(gathered)) == (chunks if chain is None else [0, 1])
+        for k in sorted(set(gathered)):
             # Chunk k's gather goes out once its shard is updated, before the next chunk
             # is stepped: the rest of the optimizer step hides it.
             issued = index("all_gather", "issue", k)
             assert index("optimizer", "compute_end", k) < issued
-            if k + 1 in chunks:
+            if k + 1 < n_chunks:
                 assert issued < index("optimizer", "compute_begin", k + 1)
         # Nothing of it is waited inside the step: the first wait is the next forward's.
         last_end = index("optimizer", "compute_end", chunks[-1])
@@ -171,11 +179,53 @@ def test_events_show_each_gather_issued_as_its_chunk_is_stepped():
         assert waits and min(waits) > last_end
 
 
+class FailingAdamW(torch.optim.AdamW):
+    """Raises in its second call of a step (a chunk after the first)."""
+
+    calls = 0
+
+    def step(self, closure=None):
+        FailingAdamW.calls += 1
+        if FailingAdamW.calls == 2:
+            raise RuntimeError("injected optimizer failure")
+        return super().step(closure)
+
+
+def _rank_failure():
+    rank = dist.get_rank()
+    net = make_net()
+    zero = ZeroDataParallel(net, dist.group.WORLD, bucket_mb=0.002)
+    opt = zero.attach_optimizer(FailingAdamW(zero.optimizer_param_groups(), lr=3e-2))
+    tokens, targets = batches(2, 4)[0]
+    mine = slice(rank * 2, rank * 2 + 2)
+    zero(tokens[mine], targets[mine]).backward()
+    views = [v for g in opt.param_groups for v in g["params"]]
+    with pytest.raises(RuntimeError, match="injected optimizer failure"):
+        zero.step(opt, by_chunk=True)
+    assert all(v.grad is not None for v in views)  # every gradient put back
+    with pytest.raises(RuntimeError, match="before the gradients were reduced"):
+        zero.step(opt, by_chunk=True)  # chunk 0 must not be stepped twice
+    # The next step runs: the failed chunks are gathered as they are, and the ranks
+    # agree on the parameters.
+    zero(tokens[mine], targets[mine]).backward()
+    zero.step(opt, by_chunk=True)
+    zero.gather_params()
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    both = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(both, flat)
+    return bool(torch.equal(both[0], both[1]))
+
+
+def test_a_failing_chunk_leaves_no_step_to_repeat_and_the_ranks_agreeing():
+    assert run_ranks(_rank_failure, 2, timeout=60) == [True, True]
+
+
 @pytest.mark.parametrize("mode", ["default", "chunks", "one"])
-def test_one_process_modes_match_plain_training(mode):
+def test_one_process_steps_in_one_call_and_matches_plain_training(mode):
+    """Without a group there is nothing to gather: every mode is one call."""
     plain = _run("adamw", 2, 0.002, 0, None, "plain", None)
     out = _run("adamw", 2, 0.002, 0, None, mode, None)
-    assert out[2] == [1 if mode == "one" else out[3]] * STEPS
+    assert out[2] == [1] * STEPS
     assert out[0] == plain[0]
     for name, p in plain[1].items():
         assert torch.equal(out[1][name], p), name
@@ -195,7 +245,7 @@ def test_other_optimizers_step_in_one_call_by_default():
     assert losses == plain[0]
 
 
-def test_step_refuses_an_unattached_optimizer_and_a_step_before_backward():
+def test_step_refuses_an_unattached_optimizer_a_foreign_tensor_and_a_step_before_backward():
     zero = ZeroDataParallel(make_net(), None)
     loose = adamw(zero.optimizer_param_groups())
     with pytest.raises(ValueError, match=r"attached to this wrapper first.*AdamW"):
@@ -208,3 +258,6 @@ def test_step_refuses_an_unattached_optimizer_and_a_step_before_backward():
     zero.step(opt)
     with pytest.raises(RuntimeError, match="before the gradients were reduced"):
         zero.step(opt)  # a second step on the same gradients
+    opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
+    with pytest.raises(ValueError, match="not one of this wrapper's shard views"):
+        zero.step(opt)

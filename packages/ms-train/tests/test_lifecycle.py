@@ -146,16 +146,25 @@ def _alive(pid: int) -> bool:
 
 def _snapshot(job: subprocess.Popen[str], saving: bool = True) -> tuple[dict[int, str], set[str]]:
     """The run's processes and segments while it trains: 2 ranks, rank 0's data reader
-    and, once ``saving``, each rank's checkpoint writer."""
-    tree = _descendants(job.pid)
-    ranks = [
-        p
-        for p, cmd in tree.items()
-        if ("ms_train.cli" in cmd or "_held_rank" in cmd) and "torch.distributed.run" not in cmd
-    ]
-    writers = [p for p, cmd in tree.items() if "ms_ckpt._worker" in cmd]
-    readers = [p for p, cmd in tree.items() if "ms_data._reader" in cmd]
-    assert (len(ranks), len(writers), len(readers)) == (2, 2 if saving else 0, 1), tree
+    and, once ``saving``, each rank's checkpoint writer. A writer between its fork and
+    its exec still shows its rank's command line, and one rank may start its writer a
+    moment after the other's save is seen: the count is polled until it settles."""
+    want = (2, 2 if saving else 0, 1)
+    deadline = time.monotonic() + 20
+    while True:
+        tree = _descendants(job.pid)
+        ranks = [
+            p
+            for p, cmd in tree.items()
+            if ("ms_train.cli" in cmd or "_held_rank" in cmd) and "torch.distributed.run" not in cmd
+        ]
+        writers = [p for p, cmd in tree.items() if "ms_ckpt._worker" in cmd]
+        readers = [p for p, cmd in tree.items() if "ms_data._reader" in cmd]
+        found = (len(ranks), len(writers), len(readers))
+        if found == want or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    assert found == want, tree
     segments = _segments(tree)
     assert saving == any(s.startswith("ms_ckpt_") for s in segments), segments
     assert any(s.startswith("ms_data_") for s in segments), segments

@@ -27,7 +27,9 @@ parameters, fp32), 1,024 random tokens (rows) per rank against random targets, M
    default with ``replicated_chunks=1``: the first block's gradients all-reduced, its
    optimizer step on every rank, and no all-gather between the optimizer step and the
    first forward (DeepSpeed's persistence of small parameters). Every ms candidate
-   steps through ``zero.step(opt)``. **ms ZeRO-2, chain of 1**: the same with
+   but the one above steps through ``zero.step(opt)`` (the serialized one too, each
+   chunk's all-gather waited right after its part of the step). **ms ZeRO-2, chain of
+   1**: the same with
    ``prefetch_chunks=1`` (chunk k + 1's all-gather issued as chunk k starts, the
    paper's chain). **ms ZeRO-2, serialized**:
    ``prefetch=False``, every collective waited right after it is issued; overlapped /

@@ -124,3 +124,25 @@ def test_job_watch_owns_what_the_job_held_and_its_pid_named_buffers_only() -> No
         for name in made:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
+
+
+class _FailingWatch(JobWatch):
+    def sample(self) -> None:
+        raise OSError("cannot read /proc")
+
+
+def _watch_then(body_error: Exception | None) -> None:
+    with _FailingWatch("jobs-failing", interval=0.01) as watch:
+        time.sleep(0.1)
+        with pytest.raises(RuntimeError, match="stopped sampling"):
+            watch.owned(["ms_data_x"])
+        if body_error is not None:
+            raise body_error
+
+
+def test_job_watch_raises_its_sampling_error_and_never_hides_the_body_s() -> None:
+    with pytest.raises(RuntimeError, match="stopped sampling") as caught:
+        _watch_then(None)
+    assert isinstance(caught.value.__cause__, OSError)
+    with pytest.raises(ValueError, match="the body's own"):
+        _watch_then(ValueError("the body's own error"))

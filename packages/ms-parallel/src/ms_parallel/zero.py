@@ -5,10 +5,14 @@ rank's optimizer updates only its shard of every bucket. The step's communicatio
 
 - backward: a bucket's reduce-scatter is issued the moment its last gradient is
   accumulated, in the order compute produces them, and waited at the end of backward;
-- optimizer step: each rank updates its shard in place;
+- optimizer step: each rank updates its shard in place; stepped through
+  :meth:`ZeroDataParallel.step`, an element-wise optimizer steps chunk by chunk and
+  each chunk's all-gather is issued as soon as its shard is updated, so the first one
+  hides behind the rest of the optimizer step;
 - forward of the next step: the all-gather of the updated shards is deferred to the
   chunks' forward and issued in the order forward consumes them. The first chunk's is
-  issued when the optimizer step ends (so it overlaps data loading), with the next
+  issued when the optimizer step ends, or when its shard is updated (by chunk), so it
+  overlaps the rest of the step and data loading, with the next
   ``prefetch_chunks`` ones; chunk k's forward issues those up to chunk
   k + ``prefetch_chunks`` before it waits for its own (chained prefetch), so every
   gather after the first hides behind compute. ZeRO-2 keeps the full parameters, so
@@ -150,14 +154,16 @@ class ZeroDataParallel(nn.Module):
             all-gather right after issuing it before its forward, and each
             reduce-scatter right after issuing it (the serialized baseline).
         prefetch_chunks: how many chunks ahead of the one about to compute are
-            gathered; ``None`` (default): all, issued as the optimizer step ends; ``1``:
+            gathered; ``None`` (default): all, issued as the optimizer step ends (or,
+            through :meth:`step` by chunk, each as its chunk's shard is updated); ``1``:
             the paper's chain, where chunk k + 1's is issued as chunk k starts. With an
             injected latency about one chunk's forward, 1 leaves each chunk's wait to
             jitter (see the README's measurements).
         timeout_s: every wait on a collective is bounded by this; a peer that stops
             participating raises :class:`ms_parallel.CollectiveTimeout`.
         on_event: ``on_event(name, kind, t, **attrs)`` called at each collective's
-            issue and wait and each chunk's forward (``ms_parallel.events``).
+            issue and wait, each chunk's forward, and each chunk's part of a by-chunk
+            optimizer step (name ``"optimizer"``; ``ms_parallel.events``).
         broadcast_from: the group rank whose initial parameters every rank starts from.
         replicated_chunks: how many chunks, from the first in forward order, are kept
             replicated instead of sharded (chunk 0 is the chunk of the parameters
@@ -276,7 +282,7 @@ class ZeroDataParallel(nn.Module):
         self._backward_queued = False
         self._synced_since_step = False
         self._bare_step = False  # an optimizer step that only creates the state
-        self._stepping_chunk: int | None = None  # inside step(by_chunk=True): that chunk's
+        self._stepping: list[int] | None = None  # the chunks a by-chunk step() is on
         self._optimizers: list[RemovableHandle] = []
         self._attached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._handles: list[RemovableHandle] = []
@@ -386,7 +392,9 @@ class ZeroDataParallel(nn.Module):
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Hook ``optimizer`` so its step happens on reduced gradients and is followed by
-        the deferred all-gather. Returns it."""
+        the deferred all-gather. Returns it. One optimizer steps a step's gradients
+        (a second step before the next backward is refused), so attach one that holds
+        every shard view."""
         owned = {id(v) for b in self.buckets for *_, v, _ in b.local}
         for g in optimizer.param_groups:
             for t in g["params"]:
@@ -404,50 +412,75 @@ class ZeroDataParallel(nn.Module):
         """Step ``optimizer`` (attached with :meth:`attach_optimizer`) on the reduced
         gradients, and issue the next step's all-gathers.
 
-        ``by_chunk=True`` steps it once per chunk, in forward order, each call seeing only
-        that chunk's shard views (the others' ``.grad`` set to ``None`` meanwhile), and
-        issues each chunk's all-gather as soon as its shard is updated: the next step's
-        first all-gather then hides behind the rest of the optimizer step instead of
-        standing between the step and the first forward. It is the same update only for
-        an optimizer whose update of an element reads nothing but that element's
-        gradient and state, and that counts steps per parameter; its step hooks run once
-        per chunk. ``None`` (default): by chunk for torch's element-wise optimizers
-        (SGD, Adam, AdamW, Adagrad, Adamax, NAdam, RAdam, RMSprop, Adadelta; their exact
-        classes), one ``optimizer.step()`` for any other (ms-optim's LAMB computes
-        whole-parameter norms with one all-reduce per step). ``False``: one call, as
-        ``optimizer.step()`` does. Without prefetching (``prefetch=False``) or with one
-        chunk there is nothing to overlap, and it is one call."""
+        ``by_chunk=True`` steps it chunk by chunk, in forward order, each call seeing
+        only that chunk's shard views (the others' ``.grad`` set to ``None`` meanwhile),
+        and issues each chunk's all-gather as soon as its shard is updated: the next
+        step's first all-gather then hides behind the rest of the optimizer step instead
+        of standing between the step and the first forward. With ``prefetch_chunks=p``
+        the chunks after the first ``p + 1`` (whose gathers wait for forward anyway)
+        are stepped in one last call. It is the same update only for an optimizer whose
+        update of an element reads nothing but that element's gradient and state, and
+        that counts steps per parameter; its step hooks run once per call. ``None``
+        (default): by chunk for torch's element-wise optimizers (SGD, Adam, AdamW,
+        Adagrad, Adamax, NAdam, RAdam, RMSprop, Adadelta; their exact classes), one
+        ``optimizer.step()`` for any other (ms-optim's LAMB computes whole-parameter
+        norms with one all-reduce per step). ``False``: one call, as
+        ``optimizer.step()`` does. One process (no group: nothing to gather) and one
+        chunk always take one call."""
         if optimizer not in self._attached:
             raise ValueError(
                 "optimizer must be attached to this wrapper first (attach_optimizer), "
                 f"got an unattached {type(optimizer).__name__}"
             )
+        mine = {id(t) for g in optimizer.param_groups for t in g["params"]}
+        views = {id(v) for b in self.buckets for *_, v, _ in b.local}
+        if not mine <= views:
+            raise ValueError(
+                "optimizer holds a tensor that is not one of this wrapper's shard views "
+                "(a param group added after attach_optimizer?)"
+            )
         if by_chunk is None:
             by_chunk = type(optimizer) in _ELEMENTWISE_OPTIMIZERS
-        if not by_chunk or not self.prefetch or len(self._chunks) < 2 or self._bare_step:
+        n = len(self._chunks)
+        if not by_chunk or self.group is None or n < 2 or self._bare_step:
             optimizer.step()
             return
         if not self._synced_since_step:  # the refusal a plain step gives
             self._before_step(optimizer, (), {})
-        mine = {id(t) for g in optimizer.param_groups for t in g["params"]}
-        chunk_views: list[list[torch.Tensor]] = [
-            [v for b in bs for *_, v, _ in b.local if id(v) in mine] for bs in self._by_chunk
+        p = self.prefetch_chunks
+        parts = (
+            [[k] for k in range(n)]
+            if p is None or p + 1 >= n
+            else [
+                *([k] for k in range(p + 1)),
+                list(range(p + 1, n)),
+            ]
+        )
+        part_views = [
+            [v for k in part for b in self._by_chunk[k] for *_, v, _ in b.local if id(v) in mine]
+            for part in parts
         ]
-        grads = {id(v): v.grad for vs in chunk_views for v in vs}
+        grads = {id(v): v.grad for vs in part_views for v in vs}
         try:
-            for k in range(len(chunk_views)):
-                for j, vs in enumerate(chunk_views):
+            for i, part in enumerate(parts):
+                for j, vs in enumerate(part_views):
                     for v in vs:
-                        v.grad = grads[id(v)] if j == k else None
-                self._stepping_chunk = k
-                optimizer.step()  # its hooks emit the chunk's events and issue its gather
+                        v.grad = grads[id(v)] if j == i else None
+                self._stepping = part
+                optimizer.step()  # its hooks emit the part's events and issue its gathers
         except BaseException:
             # Some chunks stepped, others not: a second try would step the first twice.
+            # The part that failed may be partly updated: gather it as it is, so that
+            # the ranks at least agree (the optimizer state may not).
+            for k in self._stepping or []:
+                for b in self._by_chunk[k]:
+                    if not b.replicated and b.state == _FRESH:
+                        b.state = _STALE
             self._synced_since_step = False
             raise
         finally:
-            self._stepping_chunk = None
-            for vs in chunk_views:
+            self._stepping = None
+            for vs in part_views:
                 for v in vs:
                     v.grad = grads[id(v)]
 
@@ -615,31 +648,36 @@ class ZeroDataParallel(nn.Module):
                 "optimizer.step() before the gradients were reduced: run the last "
                 "micro-batch's backward outside no_sync() first"
             )
-        k = self._stepping_chunk
-        for b in self.buckets if k is None else self._by_chunk[k]:
+        part = self._stepping
+        for b in self.buckets if part is None else self._buckets_of(part):
             if b.state == _GATHERING:  # the optimizer writes into the gathered buffer
                 self._wait_bucket_gather(b)
-        if k is not None:
+        for k in part or []:
             self._emit("optimizer", "compute_begin", chunk=k)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._bare_step:
             return
-        k = self._stepping_chunk
-        for b in self.buckets if k is None else self._by_chunk[k]:
+        part = self._stepping
+        for b in self.buckets if part is None else self._buckets_of(part):
             if not b.replicated:  # every rank stepped a replicated bucket whole
                 b.state = _STALE
-        if k is not None:  # step(by_chunk=True): this chunk's shard is final
-            self._emit("optimizer", "compute_end", chunk=k)
-            if k == len(self._chunks) - 1:
+        if part is not None:  # step(by_chunk=True): these chunks' shards are final
+            for k in part:
+                self._emit("optimizer", "compute_end", chunk=k)
+            if part[-1] == len(self._chunks) - 1:
                 self._synced_since_step = False
-            if self.prefetch_chunks is None or k <= self.prefetch_chunks:
-                self._issue_gather(k)  # the later chunks' steps hide it
+            for k in part:
+                if self.prefetch_chunks is None or k <= self.prefetch_chunks:
+                    self._issue_gather(k)  # the later chunks' steps hide it
             return
         self._synced_since_step = False
         if self._chunks:
             self._issue_gather(0)  # the next step's first gather overlaps data loading
             self._issue_ahead(0)
+
+    def _buckets_of(self, chunks: list[int]) -> list[_Bucket]:
+        return [b for k in chunks for b in self._by_chunk[k]]
 
     # -- collectives ---------------------------------------------------------------
 

@@ -94,6 +94,7 @@ def run_rank(
         _health.install_dump_handler(rank)
     try:
         with trainer_cls(config, peak_flops=peak_flops) as trainer:
+            trainer.keep_signal_handlers = True  # this process ends with the trainer
             trainer.train()
     except JobError as e:
         if under is None:

@@ -232,6 +232,13 @@ class Trainer:
             feed the data-wait metric; ``close()`` is called by :meth:`close`.
     """
 
+    #: Whether :meth:`train`'s SIGINT/SIGTERM handlers stay installed after it and
+    #: :meth:`close` (False: they are put back, as a library should). The ``ms-train``
+    #: rank process sets it: its process ends with the trainer, and a signal that comes
+    #: while it ends (the elastic agent's SIGTERM once a peer has died) must let it end
+    #: on its own and report, not kill it.
+    keep_signal_handlers = False
+
     def __init__(
         self,
         config: Config,
@@ -685,14 +692,17 @@ class Trainer:
                 with self._phase("checkpoint"):
                     stopped = _stop.finish(self, stop, done, self.saves.in_flight)
                 raise stopped
-        stop.restore()
         t_end = time.perf_counter()  # the final checkpoint's write is not training time
         health_cost = None
         if hb is not None and cost0 is not None and t_end > t_first:
             health_cost = _health_cost(cost0, hb.cost(), t_end - t_first)
         progress.close()
         with self._phase("checkpoint"):
+            # A first signal now lets this save finish (the handlers stay until it has);
+            # a second abandons it.
             self.saves.finish(self._state)
+        if not self.keep_signal_handlers:
+            stop.restore()
         if metrics is not None:
             metrics.close()
         if tensorboard is not None:
@@ -863,12 +873,12 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
-        if self._stop is not None:
-            self._stop.restore()
         try:
             with self._phase("shutdown"):
-                self.checkpointer.finalize()
+                self.checkpointer.finalize()  # under the stop handlers, as the save was
         finally:
+            if self._stop is not None and not self.keep_signal_handlers:
+                self._stop.restore()
             if self.health is not None:
                 self.health.stop()
             close = getattr(self.loader, "close", None)

@@ -167,10 +167,11 @@ class JobWatch:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        self._raise_thread_error()
+        if kind is None:  # else the body's own error is the one to see
+            self._raise_thread_error()
 
     @property
     def pids(self) -> set[int]:
