@@ -91,8 +91,9 @@ pytest-alone: $(STAMP)
 	$(BIN)/python -m pytest -m shm_dead_owner -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests were selected"; rc=0; fi; exit $$rc
 
-# The rest: every test the jobs lane leaves out, its log kept in $(REST_LOG) too. Its
-# own cache off: the jobs lane's pytest writes .pytest_cache meanwhile.
+# The rest: every test the jobs lane leaves out but the shm_dead_owner ones, its log
+# kept in $(REST_LOG) too. Its own cache off: the jobs lane's pytest writes
+# .pytest_cache meanwhile.
 REST_LOG ?= $(VENV)/pytest-rest.log
 pytest-rest: $(STAMP)
 	@log=$(REST_LOG); echo "the fast tier and the libraries' slow tests run beside; their output follows when they end (and is in $$log)"; \
