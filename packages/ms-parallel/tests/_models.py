@@ -65,3 +65,33 @@ def reference(steps: int, global_batch: int, make_opt, **net_kwargs: object):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=3e-2, weight_decay=0.1)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+#: The optimizers the ZeRO tests train with, by name.
+OPTIMIZERS = {"adamw": adamw, "sgd": sgd}
+
+
+def accumulate(zero, tokens: torch.Tensor, targets: torch.Tensor, accum: int) -> torch.Tensor:
+    """Forward and backward of (tokens, targets) in ``accum`` micro-batches through the
+    ZeRO wrapper ``zero``, all but the last under ``no_sync()``; the mean loss, detached."""
+    micro = tokens.shape[0] // accum
+    total = torch.zeros(())
+    for m in range(accum):
+        part = slice(m * micro, (m + 1) * micro)
+        if m < accum - 1:
+            with zero.no_sync():
+                loss = zero(tokens[part], targets[part])
+                (loss / accum).backward()
+        else:
+            loss = zero(tokens[part], targets[part])
+            (loss / accum).backward()
+        total += loss.detach() / accum
+    return total

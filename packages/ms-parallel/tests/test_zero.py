@@ -15,22 +15,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _models import batches, make_net, reference  # noqa: E402
+from _models import OPTIMIZERS, adamw, batches, make_net, reference  # noqa: E402
 
 from ms_parallel import CollectiveTimeout, ZeroDataParallel  # noqa: E402
 
 STEPS = 4
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=3e-2, weight_decay=0.1)
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-OPTIMIZERS = {"adamw": adamw, "sgd": sgd}
 
 
 def _rank_train(opt_name: str, global_batch: int, accum: int, bucket_mb: float, prefetch: bool):

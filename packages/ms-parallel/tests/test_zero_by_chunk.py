@@ -16,22 +16,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _models import batches, make_net, reference  # noqa: E402
+from _models import OPTIMIZERS, accumulate, adamw, batches, make_net, reference  # noqa: E402
 
 from ms_parallel import ZeroDataParallel  # noqa: E402
 
 STEPS = 4
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=3e-2, weight_decay=0.1)
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-OPTIMIZERS = {"adamw": adamw, "sgd": sgd}
 
 
 def _train(zero, opt, rank, world, accum, mode):
@@ -41,22 +30,10 @@ def _train(zero, opt, rank, world, accum, mode):
     calls: list[int] = []
     opt.register_step_post_hook(lambda *_: calls.append(1))
     local = 8 // world
-    micro = local // accum
     losses, per_step = [], []
     for tokens, targets in batches(STEPS, 8):
-        tokens = tokens[rank * local : (rank + 1) * local]
-        targets = targets[rank * local : (rank + 1) * local]
-        total = torch.zeros(())
-        for m in range(accum):
-            part = slice(m * micro, (m + 1) * micro)
-            if m < accum - 1:
-                with zero.no_sync():
-                    loss = zero(tokens[part], targets[part])
-                    (loss / accum).backward()
-            else:
-                loss = zero(tokens[part], targets[part])
-                (loss / accum).backward()
-            total += loss.detach() / accum
+        mine = slice(rank * local, (rank + 1) * local)
+        total = accumulate(zero, tokens[mine], targets[mine], accum)
         before = len(calls)
         if mode == "plain":
             opt.step()

@@ -22,24 +22,13 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _models import batches, make_net, reference  # noqa: E402
+from _models import OPTIMIZERS, accumulate, adamw, batches, make_net, reference  # noqa: E402
 
 from ms_parallel import EventLog, ZeroDataParallel, ZeroEngine  # noqa: E402
 
 STEPS = 4
 BATCH = 8
 N_CHUNKS = 6
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=3e-2, weight_decay=0.1)
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-OPTIMIZERS = {"adamw": adamw, "sgd": sgd}
 
 
 def _issued(log: EventLog) -> dict[str, Counter]:
@@ -64,22 +53,10 @@ def _rank_train(opt_name: str, accum: int, bucket_mb: float, replicated: int, pr
     )
     opt = zero.attach_optimizer(OPTIMIZERS[opt_name](zero.optimizer_param_groups()))
     local = BATCH // world
-    micro = local // accum
     losses = []
     for tokens, targets in batches(STEPS, BATCH):
-        tokens = tokens[rank * local : (rank + 1) * local]
-        targets = targets[rank * local : (rank + 1) * local]
-        total = torch.zeros(())
-        for m in range(accum):
-            part = slice(m * micro, (m + 1) * micro)
-            if m < accum - 1:
-                with zero.no_sync():
-                    loss = zero(tokens[part], targets[part])
-                    (loss / accum).backward()
-            else:
-                loss = zero(tokens[part], targets[part])
-                (loss / accum).backward()
-            total += loss.detach() / accum
+        mine = slice(rank * local, (rank + 1) * local)
+        total = accumulate(zero, tokens[mine], targets[mine], accum)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dist.all_reduce(total)

@@ -277,6 +277,8 @@ class ZeroDataParallel(nn.Module):
                     a, z = s.offset + lo - b.lo, s.offset + hi - b.lo
                     view = b.data[b.lo + a : b.lo + z]
                     b.local.append((s, lo, hi, view, b.opt_grad[a:z]))
+        # id() of every shard view an optimizer may hold (fixed once built).
+        self._view_ids = frozenset(id(v) for b in self.buckets for *_, v, _ in b.local)
         self._sync = True  # False inside no_sync(): backward only accumulates
         self._window_open = False  # gradients accumulated since the last reduction
         self._backward_queued = False
@@ -395,10 +397,9 @@ class ZeroDataParallel(nn.Module):
         the deferred all-gather. Returns it. One optimizer steps a step's gradients
         (a second step before the next backward is refused), so attach one that holds
         every shard view."""
-        owned = {id(v) for b in self.buckets for *_, v, _ in b.local}
         for g in optimizer.param_groups:
             for t in g["params"]:
-                if id(t) not in owned:
+                if id(t) not in self._view_ids:
                     raise ValueError(
                         "optimizer holds a tensor that is not one of this "
                         "wrapper's shard views (build it on optimizer_param_groups)"
@@ -433,8 +434,7 @@ class ZeroDataParallel(nn.Module):
                 f"got an unattached {type(optimizer).__name__}"
             )
         mine = {id(t) for g in optimizer.param_groups for t in g["params"]}
-        views = {id(v) for b in self.buckets for *_, v, _ in b.local}
-        if not mine <= views:
+        if not mine <= self._view_ids:
             raise ValueError(
                 "optimizer holds a tensor that is not one of this wrapper's shard views "
                 "(a param group added after attach_optimizer?)"
