@@ -139,9 +139,11 @@ bench-train: $(STAMP)
 bench-mesh: $(STAMP)
 	$(BIN)/python tools/bench/parallel/mesh_init.py --reps 11
 
-# ms ZeRO-2, DDP and FSDP2 step time under injected latency, over the compute-only step.
+# ms ZeRO-2, DDP and FSDP2 step time under injected latency, over the compute-only step
+# and DDP's: the README's runs, every op taking L, then an all-reduce taking 2L (a ring).
 bench-parallel: $(STAMP)
-	$(BIN)/python tools/bench/parallel/overlap.py --rounds 3
+	$(BIN)/python tools/bench/parallel/overlap.py --latency block,3block --rounds 5
+	$(BIN)/python tools/bench/parallel/overlap.py --latency block,3block --rounds 5 --network ring --out bench-results/parallel_overlap_ring.json
 
 # Memory per rank of a ~100M-parameter model: ms ZeRO-2 against DDP.
 bench-parallel-memory: $(STAMP)
@@ -154,7 +156,7 @@ bench-health: $(STAMP)
 
 # ms-train's tokens/s with --health against --no-health, 2 ranks, paired (issue 16).
 bench-health-overhead: $(STAMP)
-	$(BIN)/python tools/bench/health/train_overhead.py --reps 5
+	$(BIN)/python tools/bench/health/train_overhead.py --reps 7
 
 # Each fault class once, ms-health beside plain torchrun --max-restarts (about 10 min).
 bench-health-recovery: $(STAMP)

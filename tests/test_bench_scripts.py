@@ -203,18 +203,21 @@ def test_mesh_init_smoke_times_and_counts_every_candidate(tmp_path: Path) -> Non
 
 
 def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path: Path) -> None:
-    """Two gloo ranks run the compute-only floor, ms ZeRO-2 (five ways), torch DDP and
-    torch FSDP2 (two ways) under no added latency and under one block's forward; the JSON
-    holds each one's ratio to the floor and the collectives it issued on the latency
-    backend."""
+    """Two gloo ranks run the compute-only floor, ms ZeRO-2 (six ways), torch DDP and
+    torch FSDP2 (two ways) under no added latency, one block's forward and three, on
+    the ring network (an all-reduce takes 2L); the JSON holds each one's ratio to the
+    floor, the collectives it issued on the latency backend and the latency each got."""
     out = tmp_path / "out" / "parallel_overlap.json"
-    proc = _run_bench("parallel/overlap.py", "--smoke", "--out", str(out), cwd=tmp_path)
+    proc = _run_bench(
+        "parallel/overlap.py", "--smoke", "--network", "ring", "--out", str(out), cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
     assert proc.stdout.count("| torch FSDP2 ZeRO-2 |") == 3, proc.stdout[-3000:]
     record = json.loads(out.read_text())
     assert record["smoke"] is True
     assert record["machine"]["ms_parallel"]
+    assert record["parameters"]["network"] == "ring"
     block = record["block_forward_s"]
     assert block > 0
     assert [s["latency_s"] for s in record["summary"]] == pytest.approx([0.0, block, 3 * block])
@@ -224,6 +227,7 @@ def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path:
             "compute only (floor)",
             "ms ZeRO-2",
             "ms ZeRO-2, first chunk replicated",
+            "ms ZeRO-2, first 3 chunks replicated",
             "ms ZeRO-2, gathers after the whole step",
             "ms ZeRO-2, chain of 1",
             "ms ZeRO-2, serialized",
@@ -246,6 +250,15 @@ def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path:
         # The first block all-reduced, never gathered; the second still ZeRO's.
         replicated = rows["ms ZeRO-2, first chunk replicated"]["collectives_by_type"]
         assert replicated == {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 1}
+        # Of the smoke model's two blocks, both replicated: DDP's collectives.
+        both = rows["ms ZeRO-2, first 3 chunks replicated"]["collectives_by_type"]
+        assert both == {"all_reduce": 2}
+        # the ring: an all-reduce takes twice what a reduce-scatter or all-gather takes
+        applied = rows["ms ZeRO-2, first chunk replicated"]["latency_s_by_type"]
+        latency = s["latency_s"]
+        assert applied == pytest.approx(
+            {"all_reduce": 2 * latency, "reduce_scatter": latency, "all_gather": latency}
+        )
         for row in rows.values():
             assert row["median_step_s"] > 0 and len(row["ratio_per_round"]) == 1
     # every repetition keeps every rank's own step times
@@ -295,3 +308,36 @@ def test_health_sender_overhead_smoke_times_every_call(tmp_path: Path) -> None:
     assert record["loop_api_ns_per_step"] == pytest.approx(per_step)
     assert record["sender_thread"]["heartbeats"] >= 1
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "sender_overhead.json"]
+
+
+@pytest.mark.slow
+def test_health_train_overhead_smoke_reads_both_shares(tmp_path: Path) -> None:
+    """ms-train tiny on 2 ranks with --health and with --no-health: each run's tokens/s,
+    the heartbeat's share measured inside the health run, and the CPU of the launcher
+    (the driver and agent with --health) and of the ranks, read from /proc as it ran."""
+    out = tmp_path / "out" / "train_overhead.json"
+    proc = _run_bench("health/train_overhead.py", "--smoke", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
+    assert "the launcher's CPU" in proc.stdout, proc.stdout[-2000:]
+    record = json.loads(out.read_text())
+    (pair,) = record["pairs"]
+    for flag in ("--health", "--no-health"):
+        run = pair["runs"][flag]
+        assert run["tokens_per_s"] > 0
+        # the launcher imports ms_train and runs the elastic agent, the ranks train:
+        # neither takes zero CPU, and the two cannot take more than the machine has
+        cpu = run["cpu_s"]
+        assert cpu["launcher"] > 0 and cpu["ranks"] > 0
+        assert cpu["launcher"] + cpu["ranks"] < run["wall_s"] * (os.cpu_count() or 1)
+    assert pair["runs"]["--health"]["health_cost"]["share"] > 0
+    assert pair["runs"]["--no-health"]["health_cost"] is None
+    assert record["ranks_cpu_s"]["--health"] > 0
+    rate = record["launcher_cpu_per_wall_s"]
+    assert record["launcher_share"] == pytest.approx(
+        (rate["--health"] - rate["--no-health"]) / min(2, os.cpu_count() or 1)
+    )
+    assert record["total_share"] == pytest.approx(
+        record["measured_share"] + record["launcher_share"]
+    )
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "train_overhead.json"]

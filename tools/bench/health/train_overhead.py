@@ -28,6 +28,14 @@ the heartbeat's calls plus the sender thread's CPU time, over the wall time. It 
 upper bound on what the heartbeat takes from the rank's tokens/s (as if every CPU
 second of the sender were taken from the loop); the driver and node agent, which run
 in the launcher, are outside it (on a cluster the driver has a host of its own).
+So the script also samples the CPU time of the launcher and of every process below it
+(``/proc``, every 0.1 s until the launcher exits), by role: the launcher's own threads
+(with ``--health`` the driver and the node agent besides the elastic agent), and the
+ranks with their helper processes. The
+difference, over the run's wall time and the cores the ranks can use (min(nproc,
+cores)), is the share of the ranks' CPU that the driver and agent take when they share
+the ranks' cores, as here; the heartbeat's share plus this one is what ms-health can
+cost the ranks' tokens/s in all.
 
 Prints a table and writes a JSON record (machine, parameters, every run) to ``--out``
 (default ``bench-results/health/train_overhead.json``). ``--smoke``: 12 steps, one
@@ -44,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +61,81 @@ from ms_testing.bench import machine_info
 
 TARGET_RATIO = 0.99
 ON, OFF = "--health", "--no-health"
+
+
+class CpuSampler:
+    """Polls the CPU time (user + system) of a process and of every process below it
+    until it exits. Each process's last reading (at most ``every_s`` before it ended)
+    counts, under a role: ``ranks`` (the processes the elastic agent starts, with
+    ``LOCAL_RANK`` in their environment, and what they start, such as data readers and
+    checkpoint writers) or ``launcher`` (the root's own threads and any other process
+    below it)."""
+
+    def __init__(self, pid: int, every_s: float = 0.1) -> None:
+        self.pid, self.every_s = pid, every_s
+        self._cpu: dict[int, float] = {}
+        self._role: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    @property
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds by role."""
+        out = {"launcher": 0.0, "ranks": 0.0}
+        for pid, cpu in self._cpu.items():
+            out[self._role[pid]] += cpu
+        return out
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _stat(self, pid: int) -> tuple[int, str, float] | None:
+        """``(ppid, state, cpu seconds)`` of ``pid``, or None if it is gone."""
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                # the fields after the command's closing parenthesis: state, ppid, ...;
+                # utime and stime are the stat's 14th and 15th fields
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return int(fields[1]), fields[0], (int(fields[11]) + int(fields[12])) / self._tick
+
+    def _classify(self, pid: int) -> str:
+        if pid == self.pid:
+            return "launcher"
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            env = []
+        return "ranks" if any(v.startswith(b"LOCAL_RANK=") for v in env) else "launcher"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            stats = {}
+            for entry in os.listdir("/proc"):
+                if entry.isdigit() and (st := self._stat(int(entry))) is not None:
+                    stats[int(entry)] = st
+            if self.pid not in stats or stats[self.pid][1] == "Z":
+                return  # exited: the last readings stand
+            below = {self.pid}
+            grew = True
+            while grew:  # every process whose parent is in the tree
+                grew = False
+                for pid, (ppid, _, _) in stats.items():
+                    if ppid in below and pid not in below:
+                        below.add(pid)
+                        grew = True
+            for pid in below:
+                if pid not in self._role:
+                    self._role[pid] = self._classify(pid)
+                self._cpu[pid] = stats[pid][2]
+            self._stop.wait(self.every_s)
 
 
 def run(flag: str, steps: int, nproc: int, interval: float) -> dict[str, Any]:
@@ -68,10 +152,21 @@ def run(flag: str, steps: int, nproc: int, interval: float) -> dict[str, Any]:
             cmd += ["--set", f"{key}={value}"]
         env = {**os.environ, "MS_HEALTH_INTERVAL": str(interval), "OMP_NUM_THREADS": "1"}
         t0 = time.perf_counter()
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        with subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ) as proc:
+            sampler = CpuSampler(proc.pid)
+            sampler.start()
+            try:
+                stdout, stderr = proc.communicate(timeout=900)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+            finally:
+                sampler.stop()
         wall = time.perf_counter() - t0
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-4000:]}")
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{stderr[-4000:]}")
         summary = json.loads((Path(out) / "summary.json").read_text())
         events = Path(out) / "health" / "events.jsonl"
         findings = []
@@ -86,7 +181,8 @@ def run(flag: str, steps: int, nproc: int, interval: float) -> dict[str, Any]:
             "health_cost": summary.get("health_cost"),
             "wall_s": round(wall, 3),
             "findings": findings,
-            "progress_line": [ln for ln in done.stdout.splitlines() if "health" in ln][-1:],
+            "cpu_s": sampler.cpu_s,
+            "progress_line": [ln for ln in stdout.splitlines() if "health" in ln][-1:],
         }
 
 
@@ -101,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         args.reps, args.steps = 1, 12
+        print("smoke: not a measurement")
     if args.reps < 1 or args.steps < 3:
         parser.error(f"--reps must be >= 1 and --steps >= 3, got {args.reps} and {args.steps}")
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -149,6 +246,38 @@ def main(argv: list[str] | None = None) -> int:
             f"{c['wall_s']:.1f} s); target under {(1 - TARGET_RATIO) * 100:.0f}%: "
             f"{'met' if share < 1 - TARGET_RATIO else 'not met'}"
         )
+    # the launcher's own CPU per second of wall time: the driver and agent with --health
+    rate = {
+        f: statistics.median(
+            p["runs"][f]["cpu_s"]["launcher"] / p["runs"][f]["wall_s"] for p in pairs
+        )
+        for f in (ON, OFF)
+    }
+    ranks_cpu = {
+        f: statistics.median(p["runs"][f]["cpu_s"]["ranks"] for p in pairs) for f in (ON, OFF)
+    }
+    wall = {f: statistics.median(p["runs"][f]["wall_s"] for p in pairs) for f in (ON, OFF)}
+    print(
+        f"CPU seconds of a whole run (median): the ranks and their helper processes "
+        f"{ranks_cpu[ON]:.2f} with {ON}, {ranks_cpu[OFF]:.2f} with {OFF}; wall "
+        f"{wall[ON]:.2f} s and {wall[OFF]:.2f} s"
+    )
+    cores = min(args.nproc, os.cpu_count() or 1)
+    launcher_share = (rate[ON] - rate[OFF]) / cores
+    print(
+        f"the launcher's CPU (its threads and any non-rank process below it), per second "
+        f"of the run: {ON} "
+        f"{rate[ON] * 1e3:.1f} ms/s (it hosts the driver and the node agent), {OFF} "
+        f"{rate[OFF] * 1e3:.1f} ms/s; the difference is {launcher_share * 100:.3f}% of the "
+        f"ranks' {cores} core(s)"
+    )
+    total_share = None if share is None else share + launcher_share
+    if total_share is not None:
+        print(
+            f"ms-health in all (heartbeat share + launcher difference): "
+            f"{total_share * 100:.3f}% (target under {(1 - TARGET_RATIO) * 100:.0f}%: "
+            f"{'met' if total_share < 1 - TARGET_RATIO else 'not met'})"
+        )
     record = {
         "benchmark": "health_train_overhead",
         "started": started.isoformat(),
@@ -164,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         "target_met": ratio >= TARGET_RATIO,
         "measured_share": share,
         "measured_share_target_met": share is not None and share < 1 - TARGET_RATIO,
+        "launcher_cpu_per_wall_s": rate,
+        "ranks_cpu_s": ranks_cpu,
+        "launcher_share": launcher_share,
+        "total_share": total_share,
+        "total_share_target_met": total_share is not None and total_share < 1 - TARGET_RATIO,
         "findings": findings,
         "pairs": pairs,
     }

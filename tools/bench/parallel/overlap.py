@@ -1,7 +1,8 @@
 """Data-parallel step time under injected network latency, over the compute-only step.
 
     .venv/bin/python tools/bench/parallel/overlap.py [--ranks 2] [--latency 0,block]
-        [--rounds 3] [--steps 4] [--warmup 2] [--threads 1] [--out PATH] [--smoke]
+        [--network uniform|ring] [--rounds 3] [--steps 4] [--warmup 2] [--threads 1]
+        [--out PATH] [--smoke]
 
 On a 2-core CPU, loopback gloo is almost free and compute and communication share the
 cores, so overlap cannot show by wall clock alone (BENCH.md). Here every collective runs
@@ -26,7 +27,9 @@ parameters, fp32), 1,024 random tokens (rows) per rank against random targets, M
    loop with nothing between steps). **ms ZeRO-2, first chunk replicated**: the
    default with ``replicated_chunks=1``: the first block's gradients all-reduced, its
    optimizer step on every rank, and no all-gather between the optimizer step and the
-   first forward (DeepSpeed's persistence of small parameters). Every ms candidate
+   first forward (DeepSpeed's persistence of small parameters). **ms ZeRO-2, first 3
+   chunks replicated**: the same for the first three blocks (of the smoke model's two,
+   both), whose forward covers an L of three blocks' forward. Every ms candidate
    but the one above steps through ``zero.step(opt)`` (the serialized one too, each
    chunk's all-gather waited right after its part of the step). **ms ZeRO-2, chain of
    1**: the same with
@@ -53,10 +56,16 @@ A candidate is a function ``(model, comm, config) -> step``, where ``step(x, y)`
 forward, backward and optimizer step; adding one is one function and one
 entry in ``CANDIDATES``.
 
-``--latency``: the sweep of L, per op and the same for every op type, comma separated:
-milliseconds, or ``block``: one block's forward time on one rank's tokens, measured at
-start-up (median of 7, the slowest rank's), the latency at which a scheme with one
-collective per block must overlap to stay near the floor.
+``--latency``: the sweep of L, comma separated: milliseconds, or ``block``: one block's
+forward time on one rank's tokens, measured at start-up by every rank at once (median
+of 15, the slowest rank's), the latency at which a scheme with one collective per block
+must overlap to stay near the floor.
+
+``--network``: how L applies to each op type. ``uniform`` (the default): every op takes
+L, all-reduce included. ``ring``: an all-reduce takes 2L and every other op L, as on a
+ring, where an all-reduce is a reduce-scatter followed by an all-gather (2(n-1) hops
+against n-1): DDP's one all-reduce then costs what ZeRO's reduce-scatter and all-gather
+cost together, as it does on a real network, where ``uniform`` charges it as one.
 
 For each L, ``--rounds`` rounds; each round builds each candidate afresh (same seed),
 runs ``--warmup`` untimed steps, then a gloo barrier (on the default group, without
@@ -68,9 +77,12 @@ round, with min-max) and to torch DDP the same way, the collectives issued per s
 and their bytes (this rank's input bytes, from the backend's event hook), and, for
 L > 0 when L = 0 was swept too, the latency exposed per step: (median step at L -
 median step at 0) / L, in units of L (for the floor, which communicates nothing, this
-figure is the run's noise).
+figure is the run's noise). For the ms candidates, also where the step waited: the time
+per step spent waiting on each op type and stepping the optimizer, from the events
+ms-parallel reports through its ``on_event`` hook (the most any rank spent, median over
+rounds; ``docs/zero-critical-path.md`` in ms-parallel reads these).
 
-Prints a table per L and writes a JSON record (machine info, versions, parameters,
+Prints the tables per L and writes a JSON record (machine info, versions, parameters,
 every repetition of every rank) to ``--out`` (default
 ``bench-results/parallel_overlap.json``). ``--smoke``: 2 blocks of width 128, 256 tokens,
 1 round of 1 warm-up and 2 timed steps: a check that the script works (its numbers mean
@@ -128,10 +140,13 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class Comm:
-    """Where a candidate communicates: the latency group, and a 1-D mesh over it."""
+    """Where a candidate communicates: the latency group, a 1-D mesh over it, and the
+    log that the backend (every candidate's collectives) and ms-parallel (its waits and
+    optimizer steps) report to."""
 
     group: dist.ProcessGroup
     mesh: DeviceMesh
+    log: EventLog
 
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
@@ -215,56 +230,59 @@ def zero_training_step(zero: ZeroDataParallel, opt: torch.optim.Optimizer) -> St
     return step
 
 
+def zero_candidate(
+    model: nn.Sequential, comm: Comm, config: BenchConfig, *, by_chunk: bool = True, **options: Any
+) -> Step:
+    """ms-parallel ZeRO-2 over ``model`` (a chunk per block) with ``options``, reporting
+    its waits to the run's log; stepped by chunk (``zero.step(opt)``) or in one
+    ``opt.step()``."""
+    zero = ZeroDataParallel(model, comm.group, on_event=comm.log, **options)
+    opt = zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
+    return zero_training_step(zero, opt) if by_chunk else training_step(zero, opt)
+
+
 def ms_zero2(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
     """ms-parallel ZeRO-2: a chunk per block, reduce-scatter per bucket as its gradients
     are ready, the optimizer stepped chunk by chunk with each chunk's all-gather issued
     as its shard is updated, waited just before the chunk's next forward."""
-    zero = ZeroDataParallel(model, comm.group)
-    return zero_training_step(
-        zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
-    )
+    return zero_candidate(model, comm, config)
 
 
 def ms_zero2_replicated1(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
     """The same with the first chunk kept replicated: its gradients all-reduced as they
     are ready, no all-gather before the next step's first forward."""
-    zero = ZeroDataParallel(model, comm.group, replicated_chunks=1)
-    return zero_training_step(
-        zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
-    )
+    return zero_candidate(model, comm, config, replicated_chunks=1)
+
+
+def ms_zero2_replicated3(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
+    """The same with the first three chunks replicated (all of them if the model has
+    fewer): their forward covers an all-gather of L = three blocks' forward."""
+    return zero_candidate(model, comm, config, replicated_chunks=min(3, config.blocks))
 
 
 def ms_zero2_whole_step(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
     """The same stepped with one ``opt.step()``: every all-gather issued after the whole
     optimizer step (ms-parallel 0.1's only way), none hidden behind it."""
-    zero = ZeroDataParallel(model, comm.group)
-    return training_step(
-        zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
-    )
+    return zero_candidate(model, comm, config, by_chunk=False)
 
 
 def ms_zero2_chain1(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
     """The same with the paper's chain: chunk k + 1's all-gather issued as chunk k
     starts (the default gathers every chunk as the optimizer step ends)."""
-    zero = ZeroDataParallel(model, comm.group, prefetch_chunks=1)
-    return zero_training_step(
-        zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
-    )
+    return zero_candidate(model, comm, config, prefetch_chunks=1)
 
 
 def ms_zero2_serialized(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
     """The same, each collective waited right after it is issued: the serialized
     baseline the overlapped one is measured against."""
-    zero = ZeroDataParallel(model, comm.group, prefetch=False)
-    return zero_training_step(
-        zero, zero.attach_optimizer(make_optimizer(zero.optimizer_param_groups(), config))
-    )
+    return zero_candidate(model, comm, config, prefetch=False)
 
 
 CANDIDATES: dict[str, Candidate] = {
     FLOOR: compute_only,
     "ms ZeRO-2": ms_zero2,
     "ms ZeRO-2, first chunk replicated": ms_zero2_replicated1,
+    "ms ZeRO-2, first 3 chunks replicated": ms_zero2_replicated3,
     "ms ZeRO-2, gathers after the whole step": ms_zero2_whole_step,
     "ms ZeRO-2, chain of 1": ms_zero2_chain1,
     "ms ZeRO-2, serialized": ms_zero2_serialized,
@@ -275,18 +293,30 @@ CANDIDATES: dict[str, Candidate] = {
 
 
 def block_forward_s(config: BenchConfig) -> float:
-    """One block's forward on one rank's tokens: the median of 7 after 2 warm-ups."""
+    """One block's forward on one rank's tokens: the median of 15 after 2 warm-ups."""
     torch.manual_seed(config.seed + 1)
     block = Block(config.width)
     x = torch.randn(config.tokens, config.width)
     times = []
     with torch.no_grad():
-        for i in range(9):
+        for i in range(17):
             t0 = time.perf_counter()
             block(x)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+#: ``--network``: each op type's latency as a multiple of L (``default``: every other).
+NETWORKS: dict[str, dict[str, float]] = {
+    "uniform": {"default": 1.0},
+    "ring": {"default": 1.0, "all_reduce": 2.0},
+}
+
+
+def network_latencies(network: str, latency: float) -> dict[str, float]:
+    """The latency of each op type under ``network`` for an L of ``latency`` seconds."""
+    return {op: k * latency for op, k in NETWORKS[network].items()}
 
 
 def resolve_latencies(spec: str, block_s: float) -> list[float]:
@@ -325,12 +355,22 @@ def run_candidate(
         step(*data)
         times.append(time.perf_counter() - t)
     elapsed = time.perf_counter() - t0
-    issued = log.select(kind="issue")
+    # the backend's issues (ms-parallel reports its own too, without a latency)
+    issued = [e for e in log.select(kind="issue") if "latency" in e.attrs]
     ops = Counter(e.name for e in issued)
     nbytes = sum(int(e.attrs["bytes"]) for e in issued)
+    # what the backend applied, per op type: a check on --network
+    applied = {e.name: float(e.attrs["latency"]) for e in issued}
     del step, model
     gc.collect()
-    mine = {"elapsed_s": elapsed, "step_times_s": times, "ops": dict(ops), "bytes": nbytes}
+    mine = {
+        "waited_s_per_step": {k: v / steps for k, v in waited(log).items()},
+        "elapsed_s": elapsed,
+        "step_times_s": times,
+        "ops": dict(ops),
+        "bytes": nbytes,
+        "latency_s_by_type": applied,
+    }
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return {
@@ -339,11 +379,51 @@ def run_candidate(
         "collectives_per_step": sum(every[0]["ops"].values()) / steps,
         "collectives_by_type": {k: v / steps for k, v in every[0]["ops"].items()},
         "bytes_per_step": every[0]["bytes"] / steps,
+        "latency_s_by_type": every[0]["latency_s_by_type"],
+        # the most any rank waited, op type by op type
+        "waited_s_per_step": {
+            op: max(r["waited_s_per_step"].get(op, 0.0) for r in every)
+            for op in sorted({op for r in every for op in r["waited_s_per_step"]})
+        },
     }
 
 
+def waited(log: EventLog) -> dict[str, float]:
+    """Seconds ms-parallel spent waiting on each op type, and stepping the optimizer
+    (``optimizer``), from its wait and compute events (none for the peers)."""
+    out: dict[str, float] = {}
+    begun: dict[tuple[str, Any, Any], float] = {}
+    # the optimizer's chunks stepped in one call report one span each: count it once
+    stepping: set[Any] = set()
+    since = 0.0
+    for e in log.events:
+        if e.name == "optimizer" and e.kind in ("compute_begin", "compute_end"):
+            chunk = e.attrs.get("chunk")
+            if e.kind == "compute_begin":
+                if not stepping:
+                    since = e.t
+                stepping.add(chunk)
+            elif chunk in stepping:
+                stepping.discard(chunk)
+                if not stepping:
+                    out["optimizer"] = out.get("optimizer", 0.0) + e.t - since
+        elif e.kind in ("wait_begin", "wait_end"):
+            key = (e.name, e.attrs.get("chunk"), e.attrs.get("bucket"))
+            if e.kind == "wait_begin":
+                begun[key] = e.t
+            elif key in begun:
+                out[e.name] = out.get(e.name, 0.0) + e.t - begun.pop(key)
+    return out
+
+
 def rank_main(
-    config: dict[str, Any], spec: str, rounds: int, steps: int, warmup: int, threads: int
+    config: dict[str, Any],
+    spec: str,
+    network: str,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    threads: int,
 ) -> dict[str, Any]:
     torch.set_num_threads(threads)
     cfg = BenchConfig(**config)
@@ -351,7 +431,8 @@ def rank_main(
     net = register_latency_backend(BACKEND, latency=0.0, on_event=log)
     group = dist.new_group(backend=BACKEND)
     assert group is not None
-    comm = Comm(group, DeviceMesh.from_group(group, "cpu"))
+    comm = Comm(group, DeviceMesh.from_group(group, "cpu"), log)
+    dist.barrier()  # every rank measures at once, after every rank's start-up
     measured = torch.tensor([block_forward_s(cfg)], dtype=torch.float64)
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)  # one L for every rank: the slowest's
     block_s = float(measured.item())
@@ -364,7 +445,7 @@ def rank_main(
     names = list(CANDIDATES)
     sweep = []
     for latency in latencies:
-        net.set_latency(latency)
+        net.set_latency(network_latencies(network, latency))
         reps: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
         for r in range(rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
@@ -417,6 +498,11 @@ def summarize(sweep: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "collectives_per_step": reps[0]["collectives_per_step"],
                 "collectives_by_type": reps[0]["collectives_by_type"],
                 "bytes_per_step": reps[0]["bytes_per_step"],
+                "latency_s_by_type": reps[0]["latency_s_by_type"],
+                "waited_s_per_step": {
+                    op: statistics.median(rep["waited_s_per_step"].get(op, 0.0) for rep in reps)
+                    for op in sorted({op for rep in reps for op in rep["waited_s_per_step"]})
+                },
                 "latency_exposed_per_step": exposed,
             }
         out.append({"latency_s": s["latency_s"], "candidates": rows})
@@ -457,6 +543,19 @@ def print_tables(summary: list[dict[str, Any]], head: str, block_s: float) -> No
                 f"| {row['collectives_per_step']:.0f} | {row['bytes_per_step'] / 2**20:.1f} "
                 f"| {'-' if exposed is None else f'{exposed:.2f} L'} |"
             )
+        ops = sorted({op for row in s["candidates"].values() for op in row["waited_s_per_step"]})
+        if ops:
+            print(
+                "\nWhere ms-parallel's step waits: ms per step waiting on each op type, and "
+                "stepping the optimizer (median over rounds of the most any rank spent)\n"
+            )
+            print("| candidate | " + " | ".join(ops) + " |")
+            print("|---|" + "---:|" * len(ops))
+            for name, row in s["candidates"].items():
+                if row["waited_s_per_step"]:
+                    got = row["waited_s_per_step"]
+                    cells = (f"{got[op] * 1e3:.1f}" if op in got else "-" for op in ops)
+                    print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -466,6 +565,12 @@ def main() -> None:
         "--latency",
         default="0,block,3block",
         help="L per op: ms, 'block' (one block's forward) or '<k>block' (k of them)",
+    )
+    ap.add_argument(
+        "--network",
+        choices=list(NETWORKS),
+        default="uniform",
+        help="uniform: every op takes L; ring: an all-reduce takes 2L, every other op L",
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per repetition")
@@ -496,7 +601,15 @@ def main() -> None:
     result = run_ranks(
         rank_main,
         args.ranks,
-        args=(asdict(config), args.latency, args.rounds, args.steps, args.warmup, args.threads),
+        args=(
+            asdict(config),
+            args.latency,
+            args.network,
+            args.rounds,
+            args.steps,
+            args.warmup,
+            args.threads,
+        ),
         timeout=timeout,
     )[0]
     load_after = os.getloadavg()
@@ -504,7 +617,8 @@ def main() -> None:
     head = (
         f"{args.ranks} gloo ranks x {args.threads} thread, {config.blocks} pre-norm MLP blocks "
         f"of width {config.width} ({result['parameters'] / 1e6:.1f}M parameters), "
-        f"{config.tokens} tokens per rank, AdamW; {args.rounds} rounds x {args.steps} steps"
+        f"{config.tokens} tokens per rank, AdamW; {args.rounds} rounds x {args.steps} steps; "
+        f"{args.network} network"
     )
     print(f"\none block's forward: {result['block_forward_s'] * 1e3:.1f} ms")
     print_tables(summary, head, result["block_forward_s"])
@@ -531,7 +645,9 @@ def main() -> None:
             "optimizer": f"AdamW(lr={config.lr}, foreach=True)",
             "precision": "fp32",
             "candidates": list(CANDIDATES),
-            "backend": "ms_parallel.latency over gloo, localhost; L the same for every op type",
+            "backend": "ms_parallel.latency over gloo, localhost",
+            "network": args.network,
+            "latency_per_op_in_L": NETWORKS[args.network],
             "order": "per L: rounds; each round every candidate, the order rotating",
             "step_time": "slowest rank's time for the timed steps / steps",
         },
