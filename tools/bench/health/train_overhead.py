@@ -29,13 +29,13 @@ upper bound on what the heartbeat takes from the rank's tokens/s (as if every CP
 second of the sender were taken from the loop); the driver and node agent, which run
 in the launcher, are outside it (on a cluster the driver has a host of its own).
 So the script also samples the CPU time of the launcher and of every process below it
-(``/proc``, every 0.1 s until the launcher exits), by role: the launcher's own threads
-(with ``--health`` the driver and the node agent besides the elastic agent), and the
-ranks with their helper processes. The
-difference, over the run's wall time and the cores the ranks can use (min(nproc,
-cores)), is the share of the ranks' CPU that the driver and agent take when they share
-the ranks' cores, as here; the heartbeat's share plus this one is what ms-health can
-cost the ranks' tokens/s in all.
+(``/proc``, every 0.1 s until the launcher exits), by role: the launcher (its threads,
+with ``--health`` the driver and the node agent besides the elastic agent, and any
+process below it that is not a rank's) and the ranks with their helper processes. The
+launcher's CPU per second with ``--health`` less that without, over the cores the
+ranks can use (min(nproc, cores)), is the share of the ranks' CPU that the driver and
+agent take when they share the ranks' cores, as here; the heartbeat's share plus this
+one is what ms-health can cost the ranks' tokens/s in all.
 
 Prints a table and writes a JSON record (machine, parameters, every run) to ``--out``
 (default ``bench-results/health/train_overhead.json``). ``--smoke``: 12 steps, one
