@@ -203,20 +203,10 @@ def test_one_process_without_a_group_matches_plain_training(accum):
     opt = zero.attach_optimizer(adamw(zero.optimizer_param_groups()))
     losses = []
     for tokens, targets in batches(STEPS, BATCH):
-        total = 0.0
-        for m in range(accum):
-            part = slice(m * BATCH // accum, (m + 1) * BATCH // accum)
-            if m < accum - 1:
-                with zero.no_sync():
-                    loss = zero(tokens[part], targets[part])
-                    (loss / accum).backward()
-            else:
-                loss = zero(tokens[part], targets[part])
-                (loss / accum).backward()
-            total += loss.item() / accum
+        total = accumulate(zero, tokens, targets, accum)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(total)
+        losses.append(total.item())
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for name, p in net.named_parameters():
         torch.testing.assert_close(p.detach(), ref_params[name], rtol=1e-5, atol=1e-6)
