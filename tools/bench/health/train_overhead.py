@@ -132,7 +132,9 @@ class CpuSampler:
                         below.add(pid)
                         grew = True
             for pid in below:
-                if pid not in self._role:
+                # a rank is told apart only once it has exec'd with its environment:
+                # between fork and exec it still has the agent's, so look again
+                if self._role.get(pid) != "ranks":
                     self._role[pid] = self._classify(pid)
                 self._cpu[pid] = stats[pid][2]
             self._stop.wait(self.every_s)
