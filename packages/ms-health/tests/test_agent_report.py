@@ -1,5 +1,6 @@
 """Node agent reports on the wire: round trip, and every bad field refused by name; the
-driver hands an agent the actions ordered for its node, once, and records outcomes."""
+driver hands an agent the actions ordered for its node, once, and records outcomes; an
+agent in the driver's process gets by a call what HTTP gets."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import time
 
 import pytest
 
+from ms_health._client import JsonClient, LocalClient
 from ms_health.driver import Driver
-from ms_health.record import AgentReport, RecordError, parse_agent_report
+from ms_health.record import MAX_BODY_BYTES, AgentReport, RecordError, parse_agent_report
 
 
 def _report(**change: object) -> dict[str, object]:
@@ -72,3 +74,43 @@ def test_a_dead_workers_node_is_still_known() -> None:
     driver._take_agent_report(parse_agent_report(_report(node="n1", workers={"1": 12})), "test")
     assert driver.node_of(12) == "n1"
     assert driver.node_of(999) is None
+
+
+def test_an_in_process_report_gets_what_http_gets() -> None:
+    # The launcher that hosts the driver reports to it by a call: the same parsing and
+    # checks as a request, the same answers, with the HTTP server's refusals kept.
+    driver = Driver("t", job="j", tick_s=None).start()
+    try:
+        local = LocalClient(driver)
+        http = JsonClient(driver.url, "t", timeout_s=5.0)
+        action = driver.order("n0", "dump", rank=0, pid=11)
+        status, reply = local.post("/agent", _report())
+        assert (status, reply) == (
+            200,
+            {"ok": True, "actions": [{"id": action, "kind": "dump", "rank": 0, "pid": 11}]},
+        )
+        assert (
+            http.post("/agent", _report())
+            == local.post("/agent", _report())
+            == (200, {"ok": True, "actions": []})
+        )
+        for bad in (_report(pid=-1), _report(job="k")):
+            assert local.post("/agent", bad) == http.post("/agent", bad)
+        assert local.post("/agent", _report(job="k"))[0] == 409
+        huge = _report(node="n" * (MAX_BODY_BYTES + 1))
+        assert local.post("/agent", huge)[0] == http.post("/agent", huge)[0] == 413
+        http.close()
+    finally:
+        driver.stop()
+    assert local.post("/agent", _report())[0] == 503  # a stopped driver refuses
+
+    class Broken:
+        def post(self, path: str, body: bytes, client: str) -> tuple[int, bytes, str]:
+            raise RuntimeError("a bug")
+
+    assert LocalClient(Broken()).post("/agent", _report()) == (
+        500,
+        {"error": "internal error: RuntimeError"},
+    )
+    with pytest.raises(TypeError, match="app must have post"):
+        LocalClient(object())  # type: ignore[arg-type]

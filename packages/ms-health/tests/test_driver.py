@@ -342,6 +342,46 @@ def test_state_is_saved_when_it_changes_and_restored(tmp_path: Path, clock: Fake
     assert json.loads(state.read_text())["detectors"]["silence"]["longest"] == {"1": 4.0}
 
 
+def test_a_changing_state_is_written_at_most_every_state_every_s(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    # Detectors learn at every heartbeat; a synced write at every tick would cost the
+    # training hosts' CPU. Learning waits for the next due write; a new finding does not.
+    state = tmp_path / "state.json"
+    silence = SilenceDetector()
+    with Driver(
+        TOKEN, detectors=[silence], tick_s=None, clock=clock, state_path=state, state_every_s=5.0
+    ) as d:
+
+        def learned() -> dict[str, float]:
+            return json.loads(state.read_text())["detectors"]["silence"]["longest"]
+
+        beat(d, rank=0)
+        clock.now += 1.0
+        beat(d, rank=0)
+        d.tick()
+        assert learned() == {"0": 1.0}  # the first change: written at once
+        clock.now += 2.0
+        beat(d, rank=0)  # a longer gap learned 2 s after the last write
+        assert d.tick() == []
+        assert learned() == {"0": 1.0}  # not due yet
+        clock.now += 3.0
+        d.tick()
+        assert learned() == {"0": 2.0}  # 5 s after the last one
+        clock.now += 1.0
+        beat(d, rank=1)
+        clock.now += 1.0
+        beat(d, rank=1)  # rank 1 learns 1 s, 2 s after the write: not due
+        clock.now += 2.0  # rank 0 silent 7 s > 3 x 2 s: a crash, which is due at once
+        assert [f.kind for f in d.tick()] == ["crash"]
+        assert learned() == {"0": 2.0, "1": 1.0}
+        clock.now += 1.0
+        beat(d, rank=0)  # learns 8 s; the stop writes it
+    assert learned() == {"0": 8.0, "1": 1.0}
+    with pytest.raises(ValueError, match="state_every_s must be a finite number > 0, got 0"):
+        Driver(TOKEN, state_every_s=0)
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -219,6 +220,67 @@ def test_a_heartbeat_carries_every_steps_loss_since_the_last_one(
     # no step twice, and the newest MAX_LOSSES when more came
     newest = range(16, 6 + MAX_LOSSES + 10)
     assert second.losses == tuple((s, float(s)) for s in newest)
+
+
+class _CountingHeartbeat(Heartbeat):
+    """Counts the sender's wakes that looked at a new loss."""
+
+    checks = 0
+
+    def _saw_nonfinite(self) -> bool:
+        self.checks += 1
+        return super()._saw_nonfinite()
+
+
+class _DeviceLoss:
+    """A loss on a device, as a CUDA tensor looks to the sender: reading it could wait
+    for the device, so the loop must not; it records the thread that read it."""
+
+    device = type("Device", (), {"type": "cuda"})()
+
+    def __init__(self, value: float) -> None:
+        self.value, self.read_on = value, None
+
+    def __float__(self) -> float:
+        self.read_on = threading.get_ident()
+        return self.value
+
+
+def test_a_finite_host_loss_does_not_wake_the_sender(driver: Driver, recorder: Recorder) -> None:
+    torch = pytest.importorskip("torch")
+    with _CountingHeartbeat(driver.url, TOKEN, job="j", interval_s=3600) as hb:
+        hb.set_phase("train")
+        first = latest(recorder, 0, "the phase's heartbeat", lambda r: r.phase == "train")
+        checks = hb.checks
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            for step in range(40):  # numbers and CPU tensors, read in step() at no wait
+                # a loss that still requires grad is read without autograd's warning
+                loss = torch.tensor(float(step), requires_grad=True) * 1.0
+                hb.step(step, loss=float(step) if step % 2 else loss)
+                time.sleep(0.002)  # as a step would, free the GIL: a woken sender would run
+        assert [str(w.message) for w in warned] == []
+        hb.set_phase("other")  # one wake, which sends
+        record = latest(recorder, 0, "the next heartbeat", lambda r: r.seq > first.seq)
+        assert hb.checks - checks <= 1  # one per step before: a wake and a GIL handoff
+    assert record.step == 39 and record.nonfinite_step is None
+    assert record.losses == tuple((s, float(s)) for s in range(40))
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_nonfinite_loss_is_sent_at_once_with_its_step(
+    driver: Driver, recorder: Recorder, where: str
+) -> None:
+    with Heartbeat(driver.url, TOKEN, job="j", interval_s=3600) as hb:
+        hb.set_phase("train")
+        first = latest(recorder, 0, "the phase's heartbeat", lambda r: r.phase == "train")
+        hb.step(1, loss=1.5 if where == "host" else _DeviceLoss(1.5))
+        nan = float("nan") if where == "host" else _DeviceLoss(float("nan"))
+        hb.step(2, loss=nan)  # the next heartbeat is an hour away: only the NaN sends
+        record = latest(recorder, 0, "the NaN's heartbeat", lambda r: r.seq > first.seq)
+    assert record.nonfinite_step == 2 and record.losses[0] == (1, 1.5)
+    if isinstance(nan, _DeviceLoss):  # read on the sender's thread, never the loop's
+        assert nan.read_on not in (None, threading.get_ident())
 
 
 def test_cost_counts_the_loops_calls_and_the_senders_cpu(

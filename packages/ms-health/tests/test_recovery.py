@@ -43,6 +43,7 @@ class Job:
         *worker_args: list[str],
         blocklist: Blocklist | None = None,
         diagnostics: DiagnosticsConfig | None = None,
+        in_process: bool = False,
     ) -> None:
         self.driver = Driver(TOKEN, detectors=default_detectors(0.2), job="job", tick_s=0.1)
         self.driver.on_finding = Recovery(
@@ -87,6 +88,8 @@ class Job:
             term_timeout_s=1.0,
             kill_timeout_s=5.0,
             diagnostics=diagnostics,
+            # beside its driver, as in the launcher that hosts it: by a call, not HTTP
+            driver=self.driver if in_process else None,
         ).start()
 
     def _node(self) -> str:
@@ -139,8 +142,11 @@ def make_job(tmp_path: Path) -> Iterator[Any]:
         job.close()
 
 
-def test_a_stopped_rank_is_named_and_killed_and_its_peer_is_left_alone(make_job: Any) -> None:
-    job = make_job([], [])
+@pytest.mark.parametrize("agent", ["http", "in-process"])
+def test_a_stopped_rank_is_named_and_killed_and_its_peer_is_left_alone(
+    make_job: Any, agent: str
+) -> None:
+    job = make_job([], [], in_process=agent == "in-process")
     job.procs[1].send_signal(signal.SIGSTOP)
     diagnosis = job.wait_event("diagnosis")
     assert diagnosis["ranks"] == [1], diagnosis

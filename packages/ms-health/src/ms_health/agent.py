@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ms_health._client import JsonClient, TransportError
+from ms_health._client import JsonClient, LocalApp, LocalClient, TransportError
 from ms_health.record import AgentReport
 
 if TYPE_CHECKING:
@@ -73,6 +73,10 @@ class NodeAgent:
         diagnose_nproc, diagnose_timeout_s: the node diagnostics' processes and bound.
         diagnostics: the diagnostics' sizes, bounds and floors (for example the least
             matmul throughput a healthy node of this kind reaches); None: defaults.
+        driver: the :class:`~ms_health.driver.Driver` when it runs in this process
+            (the launcher that hosts it): reports reach it by a call, with the same
+            checks and reply, instead of HTTP to itself. ``url`` and ``token`` are then
+            only named in messages.
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class NodeAgent:
         diagnose_nproc: int = 2,
         diagnose_timeout_s: float = 60.0,
         diagnostics: DiagnosticsConfig | None = None,
+        driver: LocalApp | None = None,
     ) -> None:
         for name, value in (
             ("interval_s", interval_s),
@@ -111,7 +116,11 @@ class NodeAgent:
         self.term_timeout_s, self.kill_timeout_s = term_timeout_s, kill_timeout_s
         self.diagnose_nproc, self.diagnose_timeout_s = diagnose_nproc, diagnose_timeout_s
         self.diagnostics = diagnostics
-        self._client = JsonClient(url, token, timeout_s=max(2.0, 4 * interval_s))
+        self._client: JsonClient | LocalClient = (
+            JsonClient(url, token, timeout_s=max(2.0, 4 * interval_s))
+            if driver is None
+            else LocalClient(driver, name=f"agent {node}")
+        )
         self._results: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -79,6 +79,10 @@ class Driver:
     detectors are checked (None: no tick thread; call :meth:`tick`). ``observe_only``:
     findings are recorded as "would act" and ``on_finding`` is never called.
     ``state_path``: where :meth:`state_dict` is kept; an existing file is loaded here.
+    ``state_every_s``: the tick writes a changed state at most this often (detectors
+    learn at every heartbeat, and a synced write each time costs the training hosts'
+    CPU), at once when a tick finds something new, and :meth:`stop` writes it last; a
+    driver that is killed loses at most this much learning.
     ``events_path``: a JSON-lines file every event is appended to. ``on_finding``: the
     recovery policy, called with each new finding on the driver's action thread, one at
     a time, most urgent kind first. ``stale_after_s``: a rank silent longer than this
@@ -103,6 +107,7 @@ class Driver:
         tick_s: float | None = 0.25,
         observe_only: bool = False,
         state_path: str | os.PathLike[str] | None = None,
+        state_every_s: float = 5.0,
         events_path: str | os.PathLike[str] | None = None,
         on_finding: Callable[[Finding], None] | None = None,
         stale_after_s: float = 5.0,
@@ -130,6 +135,7 @@ class Driver:
             ("tick_s", tick_s),
             ("stale_after_s", stale_after_s),
             ("io_timeout_s", io_timeout_s),
+            ("state_every_s", state_every_s),
         ):
             if value is None and name == "tick_s":
                 continue
@@ -146,6 +152,7 @@ class Driver:
         self.on_finding = on_finding
         self.stale_after_s = float(stale_after_s)
         self.state_path = None if state_path is None else Path(state_path)
+        self.state_every_s = float(state_every_s)
         self._io_timeout_s = float(io_timeout_s)
         self._max_connections = max_connections
         self._clock = clock
@@ -181,6 +188,7 @@ class Driver:
                 evidence={"detectors": restored, "job": self._job, "event_seq": seq},
             )
         self._saved_state: str | None = None
+        self._state_seen_at: float | None = None  # the clock when the tick last compared
 
         self._server: _http.Server | None = None
         self._threads: list[threading.Thread] = []
@@ -314,7 +322,7 @@ class Driver:
         if not self.observe_only and self.on_finding is not None:
             for f in new:
                 self._actions.put(f)
-        self._save_if_changed()
+        self._save_if_changed(now, force=bool(new))
         return new
 
     def open_findings(self) -> list[Finding]:
@@ -762,9 +770,13 @@ class Driver:
         text = json.dumps(self.state_dict(), sort_keys=True, allow_nan=False)
         self._write_state(text)
 
-    def _save_if_changed(self) -> None:
+    def _save_if_changed(self, now: float, *, force: bool = False) -> None:
         if self.state_path is None:
             return
+        seen = self._state_seen_at
+        if not force and seen is not None and 0 <= now - seen < self.state_every_s:
+            return  # not due: not even serialised
+        self._state_seen_at = now
         try:
             text = json.dumps(self.state_dict(), sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as e:

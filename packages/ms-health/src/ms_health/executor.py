@@ -15,8 +15,9 @@ thread's Python stack. A process that is stopped, or a thread that holds the GIL
 cannot answer, and that silence is what tells the driver which rank hangs. So the
 answer never comes from anywhere else (no signal handler, no second process).
 
-This module does not import torch: a loss passed as a tensor is converted on the
-sender's thread, and GPU facts are read only if the process has imported torch.
+This module does not import torch: a loss passed as a device tensor is converted on
+the sender's thread (one in host memory at once, since that does not wait), and GPU
+facts are read only if the process has imported torch.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import contextlib
 import json
 import logging
 import math
+import numbers
 import os
 import re
 import threading
@@ -254,11 +256,17 @@ class Heartbeat:
 
         Its time runs from the previous call or the last phase change, whichever came
         later; the tokens/s a heartbeat carries are over the steps since the previous
-        heartbeat. A tensor loss is converted on the sender's thread, not here.
+        heartbeat. A loss in host memory (a number, a CPU tensor) is read here, and wakes
+        the sender only when it is not finite; a loss on a device is read on the
+        sender's thread, which each such step wakes, so that the loop never waits for
+        the device.
         """
         t = time.perf_counter()
         cpu = (threading.get_ident(), time.thread_time())
         try:
+            value = _host_value(loss)
+            if value is not None:
+                loss = value
             with self._lock:
                 self._api_calls += 1
                 self._step = step
@@ -279,7 +287,7 @@ class Heartbeat:
                         self._window_tokens += tokens
                         self._window_s += t - start
                 self._api_s += time.perf_counter() - t
-            if loss is not None:
+            if loss is not None and (value is None or not math.isfinite(value)):
                 self._new_loss.set()
         except Exception:  # a bad argument must not stop training
             pass
@@ -656,6 +664,18 @@ def _as_float(x: Any) -> float | None:
         return float(x)  # a tensor syncs here, on this thread, not in the loop
     except (TypeError, ValueError, RuntimeError, OverflowError):
         return None
+
+
+def _host_value(x: Any) -> float | None:
+    """``x`` as a float when reading it cannot wait on a device: a real number, or a
+    one-element tensor in host memory. None for anything else (a device tensor, which
+    the sender reads, or something that is not a number)."""
+    if isinstance(x, numbers.Real):
+        return float(x)
+    if getattr(getattr(x, "device", None), "type", None) == "cpu":
+        with contextlib.suppress(TypeError, ValueError, RuntimeError, AttributeError):
+            return float(x.detach())  # a CPU tensor's value is ready: no wait
+    return None
 
 
 def _first_nonfinite(losses: list[tuple[Any, Any]]) -> int | None:

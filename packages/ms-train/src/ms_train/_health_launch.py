@@ -107,19 +107,21 @@ class HealthSide:
         node = f"{socket.gethostname()}/launcher-{os.getpid()}"
         dumps = self.folder / "dumps" / f"launcher-{os.getpid()}"
         dumps.mkdir(parents=True, exist_ok=True)
+        ranks = _Ranks()
         self.agent = NodeAgent(
             self.url,
             self._token,
             job=self.run_id,
             node=node,
-            workers=_ranks,
-            restart=_restart_round,
+            workers=ranks.ranks,
+            restart=ranks.restart_round,
             dump_dir=dumps,
             interval_s=self.interval_s,
             # SIGTERM lets a rank save; one whose peers are gone or that is hung cannot,
             # and the restart should not wait long for it.
             term_timeout_s=5.0,
             diagnostics=self._diagnostics(),
+            driver=self.driver,  # in this process when this launcher hosts it
         ).start()
         return {
             "MS_HEALTH_URL": self.url,
@@ -268,20 +270,51 @@ def _parse(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _ranks() -> dict[int, int]:
-    """Global rank -> pid of this launcher's ranks (its children with a ``RANK``)."""
-    found: dict[int, int] = {}
-    for pid in _procs.children():
-        rank = _procs.environ(pid).get(b"RANK")
-        if rank is not None and rank.isdigit():
-            found[int(rank)] = pid
-    return found
+class _Ranks:
+    """This launcher's ranks (its children with a ``RANK``) and their restart round,
+    from /proc, for the node agent, which asks at every report. A process's environment
+    is fixed once it has exec'd, so each rank's is parsed once, keyed by its pid and
+    start time (a reused pid is another process); other children are looked at again
+    each time (between fork and exec a child still has the launcher's environment)."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[bytes, int, int]] = {}  # pid -> (start, rank, round)
+
+    def ranks(self) -> dict[int, int]:
+        """Global rank -> pid."""
+        return {rank: pid for pid, (rank, _) in self._scan().items()}
+
+    def restart_round(self) -> int:
+        """The newest torchelastic restart round among the ranks (0 before any)."""
+        return max((round_ for _, round_ in self._scan().values()), default=0)
+
+    def _scan(self) -> dict[int, tuple[int, int]]:
+        found: dict[int, tuple[int, int]] = {}
+        known: dict[int, tuple[bytes, int, int]] = {}
+        for pid in _procs.children():
+            start = _start_time(pid)
+            if start is None:
+                continue  # gone
+            cached = self._known.get(pid)
+            if cached is not None and cached[0] == start:
+                known[pid] = cached
+                found[pid] = cached[1:]
+                continue
+            env = _procs.environ(pid)
+            rank = env.get(b"RANK")
+            if rank is None or not rank.isdigit():
+                continue
+            value = env.get(b"TORCHELASTIC_RESTART_COUNT", b"")
+            known[pid] = (start, int(rank), int(value) if value.isdigit() else 0)
+            found[pid] = known[pid][1:]
+        self._known = known
+        return found
 
 
-def _restart_round() -> int:
-    rounds = [
-        int(value)
-        for pid in _procs.children()
-        if (value := _procs.environ(pid).get(b"TORCHELASTIC_RESTART_COUNT", b"")).isdigit()
-    ]
-    return max(rounds, default=0)
+def _start_time(pid: int) -> bytes | None:
+    """``pid``'s start time (clock ticks since boot), which tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None

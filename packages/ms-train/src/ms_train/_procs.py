@@ -51,11 +51,13 @@ def _watch(parent: int) -> None:
 def children(pid: int | None = None) -> list[int]:
     """The direct children of ``pid`` (default: this process), from /proc."""
     pid = os.getpid() if pid is None else pid
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        with contextlib.suppress(OSError, ValueError):
-            found += [int(p) for p in task.read_text().split()]
-    return sorted(set(found))
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):  # a child is listed by its forker
+            path = f"/proc/{pid}/task/{tid}/children"
+            with contextlib.suppress(OSError, ValueError), open(path, "rb") as f:
+                found.update(int(p) for p in f.read().split())
+    return sorted(found)
 
 
 def environ(pid: int) -> dict[bytes, bytes]:

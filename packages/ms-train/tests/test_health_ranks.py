@@ -1,0 +1,64 @@
+"""The node agent's view of the launcher's ranks: real child processes read from /proc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from ms_train import _procs
+from ms_train._health_launch import _Ranks
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+Spawn = Callable[..., "subprocess.Popen[bytes]"]
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(**env: str) -> subprocess.Popen[bytes]:
+        drop = ("RANK", "TORCHELASTIC_RESTART_COUNT")
+        base = {k: v for k, v in os.environ.items() if k not in drop}
+        proc = subprocess.Popen(SLEEP, env={**base, **env})
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait(timeout=60)
+
+
+def test_ranks_are_the_children_with_a_rank_and_follow_their_life(spawn: Spawn) -> None:
+    table = _Ranks()
+    assert table.ranks() == {} and table.restart_round() == 0
+    zero = spawn(RANK="0", TORCHELASTIC_RESTART_COUNT="2")
+    one = spawn(RANK="1", TORCHELASTIC_RESTART_COUNT="2")
+    helper = spawn()  # a child of the launcher that is not a rank (a diagnostics run)
+    assert {zero.pid, one.pid, helper.pid} <= set(_procs.children())
+    assert table.ranks() == {0: zero.pid, 1: one.pid}
+    assert table.restart_round() == 2
+    one.kill()
+    one.wait(timeout=60)
+    assert table.ranks() == {0: zero.pid}  # a reaped rank is gone at once
+    again = spawn(RANK="1", TORCHELASTIC_RESTART_COUNT="3")  # the next round's rank 1
+    assert table.ranks() == {0: zero.pid, 1: again.pid}
+    assert table.restart_round() == 3
+
+
+def test_a_cached_pid_that_is_another_process_now_is_read_again(spawn: Spawn) -> None:
+    table = _Ranks()
+    proc = spawn(RANK="5")
+    assert table.ranks() == {5: proc.pid}
+    # As if the pid had been reused by a process started at another time: the cached
+    # start time no longer matches, so the environment is read again.
+    table._known[proc.pid] = (b"0", 9, 7)
+    assert table.ranks() == {5: proc.pid} and table.restart_round() == 0
