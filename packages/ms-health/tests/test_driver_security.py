@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -263,3 +264,32 @@ def _post_and_read(conn: Any, body: bytes, headers: dict[str, str]) -> bytes:
     conn.request("POST", "/heartbeat", body=body, headers=headers)
     data: bytes = conn.getresponse().read()
     return data
+
+
+def test_the_accept_loop_sleeps_until_a_connection_or_the_stop() -> None:
+    # socketserver's loop wakes every poll_interval to look for a shutdown: on a
+    # training host that is a wake-up of a thread beside the ranks, forever. This one
+    # runs an iteration per connection, and stop() wakes it.
+    from ms_health import _http
+
+    class Counting(_http.Server):
+        loops = 0
+
+        def service_actions(self) -> None:
+            self.loops += 1
+
+    driver = Driver(TOKEN, tick_s=None)
+    server = Counting("127.0.0.1", 0, driver, io_timeout_s=10.0, max_connections=8)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)  # socketserver's loop would have polled about 10 times by now
+        assert server.loops == 0
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=DEADLINE_S):
+            wait_until(lambda: server.loops == 1, "one iteration for the connection")
+    finally:
+        server.shutdown()  # returns once the loop has: the wake-up is not a poll
+        server.server_close()
+    thread.join(DEADLINE_S)
+    assert not thread.is_alive() and server.loops == 1
+    server.shutdown()  # a second stop, or one of a loop never started, returns at once

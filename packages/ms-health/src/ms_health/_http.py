@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import selectors
 import socket
 import threading
 import time
@@ -67,6 +68,42 @@ class Server(ThreadingHTTPServer):
         self._conn_lock = threading.Lock()
         self._open: set[socket.socket] = set()
         super().__init__((host, port), _Handler)
+        # serve_forever() sleeps until a connection comes or shutdown() writes here:
+        # socketserver's loop wakes every poll_interval to look for a shutdown.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._stopped.set()
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Serve until :meth:`shutdown`; idle, the thread sleeps (``poll_interval`` is
+        ignored: nothing is polled)."""
+        self._stopped.clear()
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self, selectors.EVENT_READ)
+                selector.register(self._wake_r, selectors.EVENT_READ)
+                while not self._stopping.is_set():
+                    ready = selector.select()
+                    if self._stopping.is_set():
+                        break
+                    if any(key.fileobj is self for key, _ in ready):
+                        self._handle_request_noblock()
+                    self.service_actions()
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop :meth:`serve_forever` and wait until it has returned."""
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        super().server_close()
+        for end in (self._wake_r, self._wake_w):
+            end.close()
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind resolves the host's FQDN, a DNS query that can stall.

@@ -231,8 +231,7 @@ class Driver:
 
     def _serve(self) -> None:
         assert self._server is not None
-        # How long stop() may wait for the accept loop to notice; idle cost is a poll.
-        self._server.serve_forever(poll_interval=0.1)
+        self._server.serve_forever()  # sleeps between connections; stop() wakes it
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop serving and ticking, save the state, close the events file. Open
