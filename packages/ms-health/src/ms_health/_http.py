@@ -88,7 +88,8 @@ class Server(ThreadingHTTPServer):
                     if self._stopping.is_set():
                         break
                     if any(key.fileobj is self for key, _ in ready):
-                        self._handle_request_noblock()
+                        # what socketserver's own loop calls (not in typeshed's stubs)
+                        self._handle_request_noblock()  # type: ignore[attr-defined]
                     self.service_actions()
         finally:
             self._stopped.set()
