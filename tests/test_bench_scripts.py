@@ -340,4 +340,8 @@ def test_health_train_overhead_smoke_reads_both_shares(tmp_path: Path) -> None:
     assert record["total_share"] == pytest.approx(
         record["measured_share"] + record["launcher_share"]
     )
+    # one pair: the interval of its median is that pair's ratio, which decides nothing
+    ci = record["ratio_ci"]
+    assert ci["low"] == ci["high"] == pair["ratio"] and ci["coverage"] == 0
+    assert record["target_verdict"] == "not decided by this run"
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "train_overhead.json"]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,13 @@ from ms_train._health_launch import _Ranks
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def wait_until_zombie(pid: int) -> None:
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, f"pid {pid} did not die"
+        time.sleep(0.01)
 
 
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
@@ -47,8 +56,12 @@ def test_ranks_are_the_children_with_a_rank_and_follow_their_life(spawn: Spawn) 
     assert table.ranks() == {0: zero.pid, 1: one.pid}
     assert table.restart_round() == 2
     one.kill()
+    # dead but not reaped yet (the elastic agent reaps its workers on its next look):
+    # no live rank already, though its pid and environment were known
+    wait_until_zombie(one.pid)
+    assert table.ranks() == {0: zero.pid}
     one.wait(timeout=60)
-    assert table.ranks() == {0: zero.pid}  # a reaped rank is gone at once
+    assert table.ranks() == {0: zero.pid}  # reaped: gone
     again = spawn(RANK="1", TORCHELASTIC_RESTART_COUNT="3")  # the next round's rank 1
     assert table.ranks() == {0: zero.pid, 1: again.pid}
     assert table.restart_round() == 3
@@ -62,3 +75,15 @@ def test_a_cached_pid_that_is_another_process_now_is_read_again(spawn: Spawn) ->
     # start time no longer matches, so the environment is read again.
     table._known[proc.pid] = (b"0", 9, 7)
     assert table.ranks() == {5: proc.pid} and table.restart_round() == 0
+
+
+def test_a_launcher_with_a_rank_of_its_own_reads_every_time(
+    spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its children show its RANK until they exec: nothing it reads can be kept.
+    monkeypatch.setenv("RANK", "3")
+    table = _Ranks()
+    proc = spawn(RANK="5")
+    assert table.ranks() == {5: proc.pid}
+    table._known[proc.pid] = (b"0", 9, 7)  # never consulted
+    assert table.ranks() == {5: proc.pid}

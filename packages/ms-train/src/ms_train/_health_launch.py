@@ -275,10 +275,12 @@ class _Ranks:
     from /proc, for the node agent, which asks at every report. A process's environment
     is fixed once it has exec'd, so each rank's is parsed once, keyed by its pid and
     start time (a reused pid is another process); other children are looked at again
-    each time (between fork and exec a child still has the launcher's environment)."""
+    each time. Between fork and exec a child still has the launcher's environment: a
+    launcher that has a ``RANK`` itself (started by another launcher) caches nothing."""
 
     def __init__(self) -> None:
         self._known: dict[int, tuple[bytes, int, int]] = {}  # pid -> (start, rank, round)
+        self._cache = "RANK" not in os.environ
 
     def ranks(self) -> dict[int, int]:
         """Global rank -> pid."""
@@ -294,8 +296,8 @@ class _Ranks:
         for pid in _procs.children():
             start = _start_time(pid)
             if start is None:
-                continue  # gone
-            cached = self._known.get(pid)
+                continue  # gone, or dead and not yet reaped
+            cached = self._known.get(pid) if self._cache else None
             if cached is not None and cached[0] == start:
                 known[pid] = cached
                 found[pid] = cached[1:]
@@ -312,9 +314,13 @@ class _Ranks:
 
 
 def _start_time(pid: int) -> bytes | None:
-    """``pid``'s start time (clock ticks since boot), which tells a reused pid apart."""
+    """``pid``'s start time (clock ticks since boot), which tells a reused pid apart;
+    None once it is gone or dead (a zombie not yet reaped is no live rank)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19]
-    except (OSError, IndexError):
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
         return None
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19]

@@ -1,4 +1,5 @@
-"""Small helpers the benchmark scripts share: machine facts and peak-memory probes.
+"""Small helpers the benchmark scripts share: machine facts, peak-memory probes, and a
+confidence interval for a median of paired ratios.
 
 Peak memory on CPU comes from the kernel's own accounting: ``/proc/self/status``
 ``VmHWM`` (the resident high-water mark) after writing ``5`` to
@@ -9,15 +10,17 @@ to the kernel at once and the mark sees every case's own temporaries.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["machine_info", "probe_env", "reset_peak", "run_probe", "vm_bytes"]
+__all__ = ["machine_info", "median_ci", "probe_env", "reset_peak", "run_probe", "vm_bytes"]
 
 
 def vm_bytes(key: str) -> int:
@@ -80,3 +83,26 @@ def machine_info(**versions: str) -> dict[str, Any]:
         "torch": torch.__version__,
         **versions,
     }
+
+
+def median_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free confidence interval for the median of ``values``:
+    ``(low, high, coverage)``, the order statistics ``x(k)`` and ``x(n+1-k)`` with the
+    largest ``k`` whose coverage, ``1 - 2 P(B <= k - 1)`` for ``B ~ Binomial(n, 1/2)``,
+    is at least ``level`` (the sign test's interval: it assumes only independent
+    values). With too few values for ``level`` it is the whole range, at the coverage
+    that has."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("values must not be empty")
+
+    def coverage(k: int) -> float:  # of [x(k), x(n+1-k)]: 1 - 2 P(B <= k - 1)
+        return 1 - 2 * sum(math.comb(n, j) for j in range(k)) / 2**n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return xs[k - 1], xs[n - k], coverage(k)
