@@ -670,11 +670,16 @@ def _host_value(x: Any) -> float | None:
     """``x`` as a float when reading it cannot wait on a device: a real number, or a
     one-element tensor in host memory. None for anything else (a device tensor, which
     the sender reads, or something that is not a number)."""
-    if isinstance(x, numbers.Real):
+    if type(x) is float or type(x) is int:  # the common cases, before the ABC check
         return float(x)
     if getattr(getattr(x, "device", None), "type", None) == "cpu":
         with contextlib.suppress(TypeError, ValueError, RuntimeError, AttributeError):
-            return float(x.detach())  # a CPU tensor's value is ready: no wait
+            # a CPU tensor's value is ready: no wait; item() (not float()) reads one
+            # that requires grad without autograd's warning
+            return float(x.item())
+        return None
+    if isinstance(x, numbers.Real):
+        return float(x)
     return None
 
 

@@ -100,7 +100,7 @@ def median_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, floa
         raise ValueError("values must not be empty")
 
     def coverage(k: int) -> float:  # of [x(k), x(n+1-k)]: 1 - 2 P(B <= k - 1)
-        return 1 - 2 * sum(math.comb(n, j) for j in range(k)) / 2**n
+        return 1 - 2 * sum(math.comb(n, j) for j in range(k)) / (1 << n)
 
     k = 1
     while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
