@@ -155,7 +155,8 @@ bench-health: $(STAMP)
 	$(BIN)/python tools/bench/health/sender_overhead.py --reps 7
 
 # ms-train's tokens/s with --health against --no-health, 2 ranks, paired (issue 16):
-# 21 pairs (about 18 min), so that the median's 97% interval can decide a 1% target.
+# 21 pairs (about 18 min) give the median a 97% interval; with pairs spread +-5% here it
+# decides only a cost well away from 1%.
 bench-health-overhead: $(STAMP)
 	$(BIN)/python tools/bench/health/train_overhead.py --reps 21
 

@@ -57,3 +57,9 @@ def test_bad_input_is_refused_by_name() -> None:
         median_ci([])
     with pytest.raises(ValueError, match=r"level must be in \(0, 1\), got 1"):
         median_ci([1.0], level=1)
+    with pytest.raises(ValueError, match=r"level must be in \(0, 1\), got '95%'"):
+        median_ci([1.0], level="95%")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="values must be finite numbers, got nan at index 2"):
+        median_ci([1.0, 2.0, float("nan")])
+    with pytest.raises(ValueError, match="values must be finite numbers, got 'x' at index 0"):
+        median_ci(["x"])  # type: ignore[list-item]

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from ms_health._client import JsonClient, LocalClient
+from ms_health.agent import NodeAgent
 from ms_health.driver import Driver
 from ms_health.record import MAX_BODY_BYTES, AgentReport, RecordError, parse_agent_report
 
@@ -97,8 +98,12 @@ def test_an_in_process_report_gets_what_http_gets() -> None:
         for bad in (_report(pid=-1), _report(job="k")):
             assert local.post("/agent", bad) == http.post("/agent", bad)
         assert local.post("/agent", _report(job="k"))[0] == 409
+        # as the server refuses an oversized body (test_driver_security checks that one)
         huge = _report(node="n" * (MAX_BODY_BYTES + 1))
-        assert local.post("/agent", huge)[0] == http.post("/agent", huge)[0] == 413
+        assert local.post("/agent", huge)[0] == 413
+        # and a path the driver does not serve, as the server does
+        assert local.post("/nowhere", _report()) == http.post("/nowhere", _report())
+        assert local.post("/nowhere", _report())[0] == 404
         http.close()
     finally:
         driver.stop()
@@ -114,3 +119,5 @@ def test_an_in_process_report_gets_what_http_gets() -> None:
     )
     with pytest.raises(TypeError, match="app must have post"):
         LocalClient(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"driver must be a Driver .*, got 'no driver'"):
+        NodeAgent("http://127.0.0.1:1", "t", job="j", node="n0", workers=dict, driver="no driver")  # type: ignore[arg-type]

@@ -368,10 +368,14 @@ def test_a_changing_state_is_written_at_most_every_state_every_s(
         clock.now += 3.0
         d.tick()
         assert learned() == {"0": 2.0}  # 5 s after the last one
-        clock.now += 1.0
+        clock.now += 0.5
+        d.order("n0", "dump", rank=0, pid=7)  # an event: due at once, though 0.5 s later
+        d.tick()
+        assert json.loads(state.read_text())["event_seq"] == d.events()[-1].seq
+        clock.now += 0.5
         beat(d, rank=1)
         clock.now += 1.0
-        beat(d, rank=1)  # rank 1 learns 1 s, 2 s after the write: not due
+        beat(d, rank=1)  # rank 1 learns 1 s, 1.5 s after that write: not due
         clock.now += 2.0  # rank 0 silent 7 s > 3 x 2 s: a crash, which is due at once
         assert [f.kind for f in d.tick()] == ["crash"]
         assert learned() == {"0": 2.0, "1": 1.0}

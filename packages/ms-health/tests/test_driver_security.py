@@ -293,3 +293,19 @@ def test_the_accept_loop_sleeps_until_a_connection_or_the_stop() -> None:
     thread.join(DEADLINE_S)
     assert not thread.is_alive() and server.loops == 1
     server.shutdown()  # a second stop, or one of a loop never started, returns at once
+
+
+def test_a_port_in_use_is_an_oserror_and_a_stop_before_the_loop_is_clean() -> None:
+    import errno
+
+    from ms_health import _http
+
+    with Driver(TOKEN, tick_s=None) as first:
+        with pytest.raises(OSError, match="in use") as raised:
+            Driver(TOKEN, tick_s=None, port=first.port).start()
+        assert raised.value.errno == errno.EADDRINUSE  # what a second launcher backs off on
+    # stop() may come before the serving thread ran: the loop then never begins
+    server = _http.Server("127.0.0.1", 0, first, io_timeout_s=1.0, max_connections=1)
+    server.shutdown()
+    server.server_close()
+    server.serve_forever()  # returns at once, touching no closed socket

@@ -283,6 +283,25 @@ def test_a_nonfinite_loss_is_sent_at_once_with_its_step(
         assert nan.read_on not in (None, threading.get_ident())
 
 
+class _BrokenLoss:
+    @property
+    def device(self) -> object:
+        raise RuntimeError("no device")
+
+
+@pytest.mark.parametrize("loss", [10**400, _BrokenLoss()], ids=["too-large", "broken"])
+def test_a_loss_that_cannot_be_read_still_counts_the_step(
+    driver: Driver, recorder: Recorder, loss: object
+) -> None:
+    with Heartbeat(driver.url, TOKEN, job="j", interval_s=3600) as hb:
+        hb.set_phase("train")
+        first = latest(recorder, 0, "the phase's heartbeat", lambda r: r.phase == "train")
+        hb.step(3, loss=loss, tokens=100.0)
+        hb.set_phase("other")
+        record = latest(recorder, 0, "the next heartbeat", lambda r: r.seq > first.seq)
+    assert record.step == 3 and record.loss is None and record.losses == ()
+
+
 def test_cost_counts_the_loops_calls_and_the_senders_cpu(
     driver: Driver, recorder: Recorder
 ) -> None:

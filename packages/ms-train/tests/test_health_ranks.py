@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ms_train import _procs
-from ms_train._health_launch import _Ranks
+from ms_train._health_launch import _Ranks, _start_time
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 
@@ -38,6 +38,12 @@ def spawn() -> Iterator[Spawn]:
         base = {k: v for k, v in os.environ.items() if k not in drop}
         proc = subprocess.Popen(SLEEP, env={**base, **env})
         started.append(proc)
+        # Until it has exec'd, a child has this process's environment (no RANK): the
+        # agent would see it at its next report; the test waits for that moment.
+        deadline = time.monotonic() + 60
+        while b"time.sleep" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, f"pid {proc.pid} did not exec"
+            time.sleep(0.005)
         return proc
 
     yield start
@@ -71,8 +77,13 @@ def test_a_cached_pid_that_is_another_process_now_is_read_again(spawn: Spawn) ->
     table = _Ranks()
     proc = spawn(RANK="5")
     assert table.ranks() == {5: proc.pid}
-    # As if the pid had been reused by a process started at another time: the cached
-    # start time no longer matches, so the environment is read again.
+    start = _start_time(proc.pid)
+    assert start is not None
+    # The entry of this very process is what is read: the cache is used...
+    table._known[proc.pid] = (start, 9, 7)
+    assert table.ranks() == {9: proc.pid} and table.restart_round() == 7
+    # ...but as if the pid had been reused by a process started at another time, the
+    # start time no longer matches, and the environment is read again.
     table._known[proc.pid] = (b"0", 9, 7)
     assert table.ranks() == {5: proc.pid} and table.restart_round() == 0
 
@@ -85,5 +96,6 @@ def test_a_launcher_with_a_rank_of_its_own_reads_every_time(
     table = _Ranks()
     proc = spawn(RANK="5")
     assert table.ranks() == {5: proc.pid}
-    table._known[proc.pid] = (b"0", 9, 7)  # never consulted
+    start = _start_time(proc.pid)
+    table._known[proc.pid] = (start, 9, 7)  # a matching entry: still never consulted
     assert table.ranks() == {5: proc.pid}

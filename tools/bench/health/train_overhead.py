@@ -307,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         "median_tokens_per_s": med,
         "ratio_ci": {"low": low, "high": high, "coverage": coverage},
         "target_ratio": TARGET_RATIO,
-        "target_met": ratio >= TARGET_RATIO,
         "target_verdict": verdict,
+        "target_met": verdict == "shown to hold",  # the interval's, not the median's
+        "median_above_target": ratio >= TARGET_RATIO,
         "measured_share": share,
         "measured_share_target_met": share is not None and share < 1 - TARGET_RATIO,
         "launcher_cpu_per_wall_s": rate,

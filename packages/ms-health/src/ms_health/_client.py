@@ -88,7 +88,8 @@ class JsonClient:
 
 
 class LocalApp(Protocol):
-    """What :class:`LocalClient` calls: the driver's request entry point."""
+    """What :class:`LocalClient` calls: the driver's request entry point (and, when it
+    has them, its ``post_paths``, checked first as the HTTP server does)."""
 
     def post(self, path: str, body: bytes, client: str) -> tuple[int, bytes, str]: ...
 
@@ -106,9 +107,13 @@ class LocalClient:
         self.url = f"{name}:{type(app).__name__}"
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        paths = getattr(self.app, "post_paths", None)
+        if paths is not None and path not in paths:  # as the HTTP server refuses it
+            return self._refuse(404, "not_found", f"no POST {path[:100]}")
         data = json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
-        if len(data) > MAX_BODY_BYTES:  # as the HTTP server refuses it
-            return 413, {"error": f"body of {len(data)} bytes, more than {MAX_BODY_BYTES}"}
+        if len(data) > MAX_BODY_BYTES:
+            detail = f"body of {len(data)} bytes, more than {MAX_BODY_BYTES}"
+            return self._refuse(413, "too_large", detail)
         try:
             status, raw, _ = self.app.post(path, data, self.name)
         except Exception as e:  # as the HTTP server answers an app's bug: 500
@@ -122,3 +127,9 @@ class LocalClient:
 
     def close(self) -> None:
         pass
+
+    def _refuse(self, status: int, reason: str, detail: str) -> tuple[int, dict[str, Any]]:
+        rejected = getattr(self.app, "rejected", None)
+        if callable(rejected):  # counted and logged as the server's refusals are
+            rejected(reason, self.name, detail)
+        return status, {"error": detail}

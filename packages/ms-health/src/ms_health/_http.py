@@ -67,18 +67,23 @@ class Server(ThreadingHTTPServer):
         self.max_connections = max_connections
         self._conn_lock = threading.Lock()
         self._open: set[socket.socket] = set()
-        super().__init__((host, port), _Handler)
         # serve_forever() sleeps until a connection comes or shutdown() writes here:
-        # socketserver's loop wakes every poll_interval to look for a shutdown.
+        # socketserver's loop wakes every poll_interval to look for a shutdown. Made
+        # before the bind, whose failure calls server_close().
         self._wake_r, self._wake_w = socket.socketpair()
+        self._loop_lock = threading.Lock()  # orders serve_forever's start and shutdown
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._stopped.set()
+        super().__init__((host, port), _Handler)
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         """Serve until :meth:`shutdown`; idle, the thread sleeps (``poll_interval`` is
-        ignored: nothing is polled)."""
-        self._stopped.clear()
+        ignored: nothing is polled). Once shut down, a server does not serve again."""
+        with self._loop_lock:
+            if self._stopping.is_set():
+                return  # shut down before the loop began: the sockets may be closed
+            self._stopped.clear()
         try:
             with selectors.DefaultSelector() as selector:
                 selector.register(self, selectors.EVENT_READ)
@@ -95,8 +100,10 @@ class Server(ThreadingHTTPServer):
             self._stopped.set()
 
     def shutdown(self) -> None:
-        """Stop :meth:`serve_forever` and wait until it has returned."""
-        self._stopping.set()
+        """Stop :meth:`serve_forever` and wait until it has returned (at once when it
+        never began)."""
+        with self._loop_lock:
+            self._stopping.set()
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
         self._stopped.wait()

@@ -109,6 +109,11 @@ class NodeAgent:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
         if not callable(workers):
             raise TypeError(f"workers must be callable, got {workers!r}")
+        if driver is not None and not callable(getattr(driver, "post", None)):
+            raise TypeError(
+                f"driver must be a Driver (with post(path, body, client)) in this process "
+                f"or None, got {driver!r}"
+            )
         self.job, self.node = job, node
         self.workers, self.restart = workers, restart
         self.dump_dir = None if dump_dir is None else Path(dump_dir)

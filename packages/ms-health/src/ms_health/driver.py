@@ -81,8 +81,9 @@ class Driver:
     ``state_path``: where :meth:`state_dict` is kept; an existing file is loaded here.
     ``state_every_s``: the tick writes a changed state at most this often (detectors
     learn at every heartbeat, and a synced write each time costs the training hosts'
-    CPU), at once when a tick finds something new, and :meth:`stop` writes it last; a
-    driver that is killed loses at most this much learning.
+    CPU), but at once after a new event (a finding, an order, an outcome: a restarted
+    driver numbers its events from the saved sequence), and :meth:`stop` writes it
+    last; a driver that is killed loses at most this much learning.
     ``events_path``: a JSON-lines file every event is appended to. ``on_finding``: the
     recovery policy, called with each new finding on the driver's action thread, one at
     a time, most urgent kind first. ``stale_after_s``: a rank silent longer than this
@@ -189,6 +190,7 @@ class Driver:
             )
         self._saved_state: str | None = None
         self._state_seen_at: float | None = None  # the clock when the tick last compared
+        self._state_seen_events = -1  # the event sequence then
 
         self._server: _http.Server | None = None
         self._threads: list[threading.Thread] = []
@@ -773,9 +775,13 @@ class Driver:
         if self.state_path is None:
             return
         seen = self._state_seen_at
-        if not force and seen is not None and 0 <= now - seen < self.state_every_s:
+        # A new event is due at once: a restarted driver numbers its events from the
+        # saved sequence, and must not reuse numbers already in the events file.
+        events = self._events.seq
+        due = force or events != self._state_seen_events
+        if not due and seen is not None and 0 <= now - seen < self.state_every_s:
             return  # not due: not even serialised
-        self._state_seen_at = now
+        self._state_seen_at, self._state_seen_events = now, events
         try:
             text = json.dumps(self.state_dict(), sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as e:

@@ -420,7 +420,9 @@ class Heartbeat:
         failed = False
         try:
             while True:
+                # This heartbeat carries every loss so far: a wake for one is served.
                 self._wake.clear()
+                self._new_loss.clear()
                 final = self._stopping.is_set()
                 try:
                     self._send(self._final_status if final else "running")
@@ -669,17 +671,19 @@ def _as_float(x: Any) -> float | None:
 def _host_value(x: Any) -> float | None:
     """``x`` as a float when reading it cannot wait on a device: a real number, or a
     one-element tensor in host memory. None for anything else (a device tensor, which
-    the sender reads, or something that is not a number)."""
-    if type(x) is float or type(x) is int:  # the common cases, before the ABC check
-        return float(x)
-    if getattr(getattr(x, "device", None), "type", None) == "cpu":
-        with contextlib.suppress(TypeError, ValueError, RuntimeError, AttributeError):
-            # a CPU tensor's value is ready: no wait; item() (not float()) reads one
-            # that requires grad without autograd's warning
+    the sender reads, or something that is not a number or cannot be read as one)."""
+    try:
+        if type(x) is float or type(x) is int:  # the common cases, before the ABC check
+            return float(x)
+        if getattr(getattr(x, "device", None), "type", None) == "cpu":
+            # A CPU tensor is read at once, as any read of it would be (one copied with
+            # non_blocking=True must be synchronised first). item(), not float(), reads
+            # one that requires grad without autograd's warning.
             return float(x.item())
+        if isinstance(x, numbers.Real):
+            return float(x)
+    except Exception:  # too large for a float, not one element, a broken object
         return None
-    if isinstance(x, numbers.Real):
-        return float(x)
     return None
 
 

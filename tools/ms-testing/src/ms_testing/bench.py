@@ -92,8 +92,11 @@ def median_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, floa
     is at least ``level`` (the sign test's interval: it assumes only independent
     values). With too few values for ``level`` it is the whole range, at the coverage
     that has."""
-    if not 0 < level < 1:
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level!r}")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"values must be finite numbers, got {v!r} at index {i}")
     xs = sorted(values)
     n = len(xs)
     if n == 0:
