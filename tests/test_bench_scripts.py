@@ -332,6 +332,11 @@ def test_health_train_overhead_smoke_reads_both_shares(tmp_path: Path) -> None:
         assert cpu["launcher"] + cpu["ranks"] < run["wall_s"] * (os.cpu_count() or 1)
     assert pair["runs"]["--health"]["health_cost"]["share"] > 0
     assert pair["runs"]["--no-health"]["health_cost"] is None
+    # ms-health's threads, found by their kernel names: in the launcher (driver, agent)
+    # and in the ranks (the senders) with --health, nowhere without it
+    threads = pair["runs"]["--health"]["health_threads_cpu_s"]
+    assert threads["launcher"] > 0 and threads["ranks"] > 0, threads
+    assert pair["runs"]["--no-health"]["health_threads_cpu_s"] == {"launcher": 0, "ranks": 0}
     assert record["ranks_cpu_s"]["--health"] > 0
     rate = record["launcher_cpu_per_wall_s"]
     assert record["launcher_share"] == pytest.approx(

@@ -3,6 +3,7 @@ loop's calls (steps, phases, events, log lines) turn into heartbeat fields."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -500,3 +501,25 @@ def test_a_step_carries_the_cpu_time_of_the_loops_thread(
     assert busy.step_cpu_s is not None and idle.step_cpu_s is not None
     assert busy.step_cpu_s > idle.step_cpu_s
     assert idle.step_cpu_s < idle.step_time_s  # type: ignore[operator]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="kernel thread names: Linux")
+def test_every_thread_of_ms_health_carries_its_name_for_the_kernel(
+    driver: Driver, recorder: Recorder
+) -> None:
+    # top -H, ps -L and a benchmark reading /proc see "ms-health-*", not "python"
+    from ms_health.agent import NodeAgent
+
+    def names() -> set[str]:
+        found = set()
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                found.add(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+        return found
+
+    agent = NodeAgent(driver.url, TOKEN, job="j", node="n0", workers=dict, interval_s=0.05)
+    with agent, Heartbeat(driver.url, TOKEN, job="j", interval_s=0.05):
+        wanted = {f"ms-health-{r}" for r in ("serve", "act", "send", "agent", "http")}
+        wait_until(lambda: wanted <= names(), f"threads named {sorted(wanted)}")
+    mine = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text()
+    assert not mine.startswith("ms-health-")  # the calling thread keeps its own

@@ -1,6 +1,7 @@
-"""Facts about this process's machine and threads, for heartbeats and stack dumps.
+"""Facts about this process's machine and threads, for heartbeats and stack dumps, and
+kernel names for ms-health's own threads.
 
-Everything here runs on the heartbeat sender's thread, never in the training loop.
+The facts are read on the heartbeat sender's thread, never in the training loop.
 Torch is never imported from here: GPU facts are read only when the training process
 has imported torch itself and CUDA is available.
 """
@@ -12,9 +13,44 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["cpu_facts", "gpu_facts", "host_name", "thread_stacks"]
+__all__ = [
+    "KERNEL_NAME_PREFIX",
+    "cpu_facts",
+    "gpu_facts",
+    "host_name",
+    "name_thread",
+    "named",
+    "thread_stacks",
+]
+
+#: What every ms-health thread's kernel name starts with (``top -H``, ``ps -L``, and
+#: ``/proc/<pid>/task/<tid>/comm``, where a benchmark adds up their CPU).
+KERNEL_NAME_PREFIX = "ms-health-"
+
+
+def name_thread(role: str) -> None:
+    """Name the calling thread ``ms-health-<role>`` for the kernel as well (15 bytes
+    at most, Linux; nothing elsewhere). Python names its threads only for itself: the
+    kernel would show each as its process's name, ``python``."""
+    name = (KERNEL_NAME_PREFIX + role)[:15]
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name)
+    except OSError:  # not Linux, or no /proc
+        pass
+
+
+def named(role: str, target: Callable[..., None]) -> Callable[..., None]:
+    """``target`` for a thread that first names itself (:func:`name_thread`)."""
+
+    def run(*args: Any, **kwargs: Any) -> None:
+        name_thread(role)
+        target(*args, **kwargs)
+
+    return run
 
 
 def host_name() -> str:

@@ -21,6 +21,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from typing import Any, Protocol
 
+from ms_health import _host
 from ms_health.record import MAX_BODY_BYTES
 
 __all__ = ["App", "Response", "Server", "json_response"]
@@ -161,6 +162,7 @@ class _Handler(BaseHTTPRequestHandler):
     server: Server
 
     def setup(self) -> None:
+        _host.name_thread("http")  # this connection's thread
         self.request.settimeout(self.server.io_timeout_s)  # every read and write
         if self.request.family in (socket.AF_INET, socket.AF_INET6):
             # Headers and body go out in two writes; with Nagle's algorithm the body

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ms_health import _host
 from ms_health._client import JsonClient, LocalApp, LocalClient, TransportError
 from ms_health.record import AgentReport
 
@@ -137,7 +138,9 @@ class NodeAgent:
         self.done: list[dict[str, Any]] = []
 
     def start(self) -> NodeAgent:
-        self._thread = threading.Thread(target=self._loop, name="ms-health-agent", daemon=True)
+        self._thread = threading.Thread(
+            target=_host.named("agent", self._loop), name="ms-health-agent", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -177,7 +180,10 @@ class NodeAgent:
                 actions = []
             for action in actions:
                 thread = threading.Thread(
-                    target=self._run, args=(action,), name="ms-health-action", daemon=True
+                    target=_host.named("action", self._run),
+                    args=(action,),
+                    name="ms-health-action",
+                    daemon=True,
                 )
                 thread.start()
                 self._busy = [t for t in self._busy if t.is_alive()] + [thread]

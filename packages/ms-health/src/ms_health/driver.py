@@ -39,7 +39,7 @@ from typing import Any
 
 import attrs
 
-from ms_health import _http, _metrics
+from ms_health import _host, _http, _metrics
 from ms_health._agents import AgentBook, AgentView
 from ms_health._dumps import DumpBook
 from ms_health._events import EventLog, HealthEvent, RateLimiter
@@ -58,6 +58,9 @@ from ms_health.record import (
 __all__ = ["STATE_FORMAT", "Driver", "HealthEvent", "main"]
 
 _log = logging.getLogger(__name__)
+
+# Kernel thread names have 15 bytes: "ms-health-" leaves 5.
+_KERNEL_ROLES = {"actions": "act"}
 
 # Stacks kept in an event's evidence; the whole dump stays available from dumps().
 _EVENT_STACK_CHARS = 16 * 1024
@@ -218,7 +221,11 @@ class Driver:
         if self.tick_s is not None:
             targets.append(("tick", self._tick_loop))
         for name, target in targets:
-            thread = threading.Thread(target=target, name=f"ms-health-driver-{name}", daemon=True)
+            thread = threading.Thread(
+                target=_host.named(_KERNEL_ROLES.get(name, name), target),
+                name=f"ms-health-driver-{name}",
+                daemon=True,
+            )
             thread.start()
             self._threads.append(thread)
         self._event(

@@ -417,6 +417,7 @@ class Heartbeat:
     # ------------------------------------------------------------------ sender thread
 
     def _sender_loop(self) -> None:  # named in SENDER_FRAME: keep them in step
+        _host.name_thread("send")
         failed = False
         try:
             while True:
