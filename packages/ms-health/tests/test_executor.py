@@ -54,6 +54,12 @@ def latest(
     return wait_until(find, what)
 
 
+def enter_train(hb: Heartbeat, recorder: Recorder) -> HeartbeatRecord:
+    """Switch ``hb`` to the ``train`` phase; the heartbeat that says so, once it came."""
+    hb.set_phase("train")
+    return latest(recorder, 0, "the phase's heartbeat", lambda r: r.phase == "train")
+
+
 def test_heartbeats_arrive_with_the_process_facts(driver: Driver, recorder: Recorder) -> None:
     with Heartbeat(
         driver.url,
@@ -250,8 +256,7 @@ class _DeviceLoss:
 def test_a_finite_host_loss_does_not_wake_the_sender(driver: Driver, recorder: Recorder) -> None:
     torch = pytest.importorskip("torch")
     with _CountingHeartbeat(driver.url, TOKEN, job="j", interval_s=3600) as hb:
-        hb.set_phase("train")
-        first = latest(recorder, 0, "the phase's heartbeat", lambda r: r.phase == "train")
+        first = enter_train(hb, recorder)
         checks = hb.checks
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
@@ -273,8 +278,7 @@ def test_a_nonfinite_loss_is_sent_at_once_with_its_step(
     driver: Driver, recorder: Recorder, where: str
 ) -> None:
     with Heartbeat(driver.url, TOKEN, job="j", interval_s=3600) as hb:
-        hb.set_phase("train")
-        first = latest(recorder, 0, "the phase's heartbeat", lambda r: r.phase == "train")
+        first = enter_train(hb, recorder)
         hb.step(1, loss=1.5 if where == "host" else _DeviceLoss(1.5))
         nan = float("nan") if where == "host" else _DeviceLoss(float("nan"))
         hb.step(2, loss=nan)  # the next heartbeat is an hour away: only the NaN sends
@@ -295,8 +299,7 @@ def test_a_loss_that_cannot_be_read_still_counts_the_step(
     driver: Driver, recorder: Recorder, loss: object
 ) -> None:
     with Heartbeat(driver.url, TOKEN, job="j", interval_s=3600) as hb:
-        hb.set_phase("train")
-        first = latest(recorder, 0, "the phase's heartbeat", lambda r: r.phase == "train")
+        first = enter_train(hb, recorder)
         hb.step(3, loss=loss, tokens=100.0)
         hb.set_phase("other")
         record = latest(recorder, 0, "the next heartbeat", lambda r: r.seq > first.seq)
@@ -308,8 +311,7 @@ def test_cost_counts_the_loops_calls_and_the_senders_cpu(
 ) -> None:
     with Heartbeat(driver.url, TOKEN, job="j", interval_s=3600) as hb:
         before = hb.cost()
-        hb.set_phase("train")
-        latest(recorder, 0, "the phase's heartbeat", lambda r: r.phase == "train")
+        enter_train(hb, recorder)
         for step in range(3):
             hb.on_event("all_reduce", "wait_begin", float(step))
             hb.on_event("all_reduce", "wait_end", step + 0.5)

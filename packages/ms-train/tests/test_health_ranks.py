@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from ms_health.escalate import process_state
 from ms_train import _procs
-from ms_train._health_launch import _Ranks, _start_time
+from ms_train._health_launch import _Ranks
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 
@@ -21,7 +22,7 @@ SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
 
 def wait_until_zombie(pid: int) -> None:
     deadline = time.monotonic() + 60
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+    while process_state(pid) != "Z":
         assert time.monotonic() < deadline, f"pid {pid} did not die"
         time.sleep(0.01)
 
@@ -77,14 +78,14 @@ def test_a_cached_pid_that_is_another_process_now_is_read_again(spawn: Spawn) ->
     table = _Ranks()
     proc = spawn(RANK="5")
     assert table.ranks() == {5: proc.pid}
-    start = _start_time(proc.pid)
+    start = _procs.starttime(proc.pid)
     assert start is not None
     # The entry of this very process is what is read: the cache is used...
     table._known[proc.pid] = (start, 9, 7)
     assert table.ranks() == {9: proc.pid} and table.restart_round() == 7
     # ...but as if the pid had been reused by a process started at another time, the
     # start time no longer matches, and the environment is read again.
-    table._known[proc.pid] = (b"0", 9, 7)
+    table._known[proc.pid] = (0, 9, 7)
     assert table.ranks() == {5: proc.pid} and table.restart_round() == 0
 
 
@@ -96,6 +97,6 @@ def test_a_launcher_with_a_rank_of_its_own_reads_every_time(
     table = _Ranks()
     proc = spawn(RANK="5")
     assert table.ranks() == {5: proc.pid}
-    start = _start_time(proc.pid)
+    start = _procs.starttime(proc.pid)
     table._known[proc.pid] = (start, 9, 7)  # a matching entry: still never consulted
     assert table.ranks() == {5: proc.pid}

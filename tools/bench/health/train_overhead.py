@@ -103,10 +103,11 @@ class CpuSampler:
         self._stop.set()
         self._thread.join()
 
-    def _stat(self, pid: int) -> tuple[int, str, float] | None:
-        """``(ppid, state, cpu seconds)`` of ``pid``, or None if it is gone."""
+    def _stat(self, path: str) -> tuple[int, str, float] | None:
+        """``(ppid, state, cpu seconds)`` from a process's or a thread's ``stat`` file
+        at ``path``, or None if it is gone."""
         try:
-            with open(f"/proc/{pid}/stat") as f:
+            with open(path) as f:
                 # the fields after the command's closing parenthesis: state, ppid, ...;
                 # utime and stime are the stat's 14th and 15th fields
                 fields = f.read().rsplit(")", 1)[1].split()
@@ -128,7 +129,7 @@ class CpuSampler:
         while not self._stop.is_set():
             stats = {}
             for entry in os.listdir("/proc"):
-                if entry.isdigit() and (st := self._stat(int(entry))) is not None:
+                if entry.isdigit() and (st := self._stat(f"/proc/{entry}/stat")) is not None:
                     stats[int(entry)] = st
             if self.pid not in stats or stats[self.pid][1] == "Z":
                 return  # exited: the last readings stand
@@ -161,11 +162,10 @@ class CpuSampler:
                 with open(f"{base}/comm") as f:
                     if not f.read().startswith(HEALTH_THREAD):
                         continue
-                with open(f"{base}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
+            except OSError:
                 continue
-            self._thread_cpu[(pid, int(tid))] = (int(fields[11]) + int(fields[12])) / self._tick
+            if (st := self._stat(f"{base}/stat")) is not None:
+                self._thread_cpu[(pid, int(tid))] = st[2]
 
     @property
     def health_cpu_s(self) -> dict[str, float]:

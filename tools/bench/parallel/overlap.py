@@ -381,11 +381,17 @@ def run_candidate(
         "bytes_per_step": every[0]["bytes"] / steps,
         "latency_s_by_type": every[0]["latency_s_by_type"],
         # the most any rank waited, op type by op type
-        "waited_s_per_step": {
-            op: max(r["waited_s_per_step"].get(op, 0.0) for r in every)
-            for op in sorted({op for r in every for op in r["waited_s_per_step"]})
-        },
+        "waited_s_per_step": per_op([r["waited_s_per_step"] for r in every], max),
     }
+
+
+def per_op(
+    figures: list[dict[str, float]], reduce: Callable[[list[float]], float]
+) -> dict[str, float]:
+    """Per-op-type figures of several ranks or rounds reduced to one per op type (an op
+    type one of them lacks counts as 0 there)."""
+    ops = sorted({op for f in figures for op in f})
+    return {op: reduce([f.get(op, 0.0) for f in figures]) for op in ops}
 
 
 def waited(log: EventLog) -> dict[str, float]:
@@ -499,10 +505,9 @@ def summarize(sweep: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "collectives_by_type": reps[0]["collectives_by_type"],
                 "bytes_per_step": reps[0]["bytes_per_step"],
                 "latency_s_by_type": reps[0]["latency_s_by_type"],
-                "waited_s_per_step": {
-                    op: statistics.median(rep["waited_s_per_step"].get(op, 0.0) for rep in reps)
-                    for op in sorted({op for rep in reps for op in rep["waited_s_per_step"]})
-                },
+                "waited_s_per_step": per_op(
+                    [rep["waited_s_per_step"] for rep in reps], statistics.median
+                ),
                 "latency_exposed_per_step": exposed,
             }
         out.append({"latency_s": s["latency_s"], "candidates": rows})

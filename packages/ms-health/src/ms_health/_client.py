@@ -80,11 +80,7 @@ class JsonClient:
         raw = response.read()
         if response.getheader("Connection", "").lower() == "close":
             self.close()
-        try:
-            reply = json.loads(raw) if raw else {}
-        except ValueError:
-            reply = {}
-        return response.status, reply if isinstance(reply, dict) else {}
+        return response.status, _reply(raw)
 
 
 class LocalApp(Protocol):
@@ -119,11 +115,7 @@ class LocalClient:
         except Exception as e:  # as the HTTP server answers an app's bug: 500
             _log.exception("ms-health: error serving an in-process POST %s", path)
             return 500, {"error": f"internal error: {type(e).__name__}"}
-        try:
-            reply = json.loads(raw) if raw else {}
-        except ValueError:
-            reply = {}
-        return status, reply if isinstance(reply, dict) else {}
+        return status, _reply(raw)
 
     def close(self) -> None:
         pass
@@ -133,3 +125,12 @@ class LocalClient:
         if callable(rejected):  # counted and logged as the server's refusals are
             rejected(reason, self.name, detail)
         return status, {"error": detail}
+
+
+def _reply(raw: bytes) -> dict[str, Any]:
+    """A reply's body as a JSON object (``{}`` when empty, not JSON, or not an object)."""
+    try:
+        reply = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return reply if isinstance(reply, dict) else {}

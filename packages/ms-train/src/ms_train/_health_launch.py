@@ -279,7 +279,7 @@ class _Ranks:
     launcher that has a ``RANK`` itself (started by another launcher) caches nothing."""
 
     def __init__(self) -> None:
-        self._known: dict[int, tuple[bytes, int, int]] = {}  # pid -> (start, rank, round)
+        self._known: dict[int, tuple[int, int, int]] = {}  # pid -> (start, rank, round)
         self._cache = "RANK" not in os.environ
 
     def ranks(self) -> dict[int, int]:
@@ -292,9 +292,9 @@ class _Ranks:
 
     def _scan(self) -> dict[int, tuple[int, int]]:
         found: dict[int, tuple[int, int]] = {}
-        known: dict[int, tuple[bytes, int, int]] = {}
+        known: dict[int, tuple[int, int, int]] = {}
         for pid in _procs.children():
-            start = _start_time(pid)
+            start = _procs.starttime(pid)
             if start is None:
                 continue  # gone, or dead and not yet reaped
             cached = self._known.get(pid) if self._cache else None
@@ -311,16 +311,3 @@ class _Ranks:
             found[pid] = known[pid][1:]
         self._known = known
         return found
-
-
-def _start_time(pid: int) -> bytes | None:
-    """``pid``'s start time (clock ticks since boot), which tells a reused pid apart;
-    None once it is gone or dead (a zombie not yet reaped is no live rank)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-        return None
-    return fields[19]

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["children", "die_with_parent", "session_members"]
+__all__ = ["children", "die_with_parent", "environ", "session_members", "starttime"]
 
 _PR_SET_PDEATHSIG = 1
 _WATCH_EVERY_S = 0.5
@@ -58,6 +58,19 @@ def children(pid: int | None = None) -> list[int]:
             with contextlib.suppress(OSError, ValueError), open(path, "rb") as f:
                 found.update(int(p) for p in f.read().split())
     return sorted(found)
+
+
+def starttime(pid: int) -> int | None:
+    """``pid``'s start time (clock ticks since boot), which tells a reused pid apart;
+    None once it is gone or dead (a zombie not yet reaped runs no more)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
 
 
 def environ(pid: int) -> dict[bytes, bytes]:
