@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import attrs
 
@@ -228,20 +228,24 @@ class Outbox:
 # ------------------------------------------------------------------- per-step values
 
 
+#: What a :class:`StepBins` holds per rank and step: a number, or a tuple of them.
+V = TypeVar("V")
+
+
 @attrs.frozen
-class Added:
+class Added(Generic[V]):
     """What :meth:`StepBins.add` did with one value."""
 
     #: False for a heartbeat that repeats its rank's last step, or comes too late.
     accepted: bool
     #: The bins completed by it, oldest first: (bin, {rank: values}).
-    closed: list[tuple[int, dict[int, list[float]]]] = attrs.field(factory=list)
+    closed: list[tuple[int, dict[int, list[V]]]] = attrs.field(factory=list)
     #: True when it showed that the job went back (a restart from a checkpoint) and
     #: the bins were emptied.
     rewound: bool = False
 
 
-class StepBins:
+class StepBins(Generic[V]):
     """Per-rank values of the job's recent steps, grouped in bins of ``width`` steps;
     each bin is handed back once, complete.
 
@@ -262,7 +266,7 @@ class StepBins:
 
     def __init__(self, width: int = 1, lag: int = 0, *, wait_all: bool = False) -> None:
         self.width, self.lag, self.wait_all = width, lag, wait_all
-        self._bins: dict[int, dict[int, list[float]]] = {}
+        self._bins: dict[int, dict[int, list[V]]] = {}
         self._last: dict[int, tuple[int, int]] = {}  # rank -> (pid, step)
         # (step, rank) of every rank's last step, the lowest first; an entry whose
         # rank has moved on since is stale and skipped (wait_all only)
@@ -271,12 +275,12 @@ class StepBins:
         self._closed_below = 0  # bins below this one were handed back
         self._world = 0  # the job's ranks, the most any value came with
 
-    def add(self, rank: int, pid: int, step: int, value: float) -> Added:
+    def add(self, rank: int, pid: int, step: int, value: V) -> Added[V]:
         return self.add_many(rank, pid, ((step, value),))
 
     def add_many(
-        self, rank: int, pid: int, values: Iterable[tuple[int, float]], world: int = 0
-    ) -> Added:
+        self, rank: int, pid: int, values: Iterable[tuple[int, V]], world: int = 0
+    ) -> Added[V]:
         """Values of one rank's consecutive steps, oldest first (one heartbeat's), in a
         job of ``world`` ranks (wait_all)."""
         self._world = max(self._world, world)
@@ -303,7 +307,7 @@ class StepBins:
             heapq.heapify(self._behind)
         return Added(accepted, self._close(), rewound)
 
-    def _close(self) -> list[tuple[int, dict[int, list[float]]]]:
+    def _close(self) -> list[tuple[int, dict[int, list[V]]]]:
         if self._front is None:
             return []
         everyone = self._everyone_through()

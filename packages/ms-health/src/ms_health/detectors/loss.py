@@ -141,7 +141,7 @@ class LossSpike:
         self.rel_floor = number("rel_floor", rel_floor, low=0.0, strict=False)
         self.lag = integer("lag", lag, low=0)
         self._history: deque[float] = deque(maxlen=self.window)
-        self._bins = StepBins(lag=self.lag, wait_all=True)
+        self._bins: StepBins[float] = StepBins(lag=self.lag, wait_all=True)
         # step -> finding of the steps that spiked and are not over yet
         self._spikes: dict[int, Finding] = {}
         self._outbox = Outbox()

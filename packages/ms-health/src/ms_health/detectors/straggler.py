@@ -51,13 +51,22 @@ class Straggler:
     processor, or more work, shows in both. On a GPU the kernels' time is not the
     thread's CPU time, so busy time it is.
 
-    Per window, a rank's figure is the median of the busy times it reported in the
+    Per window, a rank's figure is the median of the figures it reported in the
     window (one slow step of three does not move it); its score is that figure over
-    the median of the other ranks' figures. A score above the threshold, by more than
-    ``min_excess_s`` (timer noise of sub-millisecond steps is no straggler), is a
-    strike; any other score clears the rank's strikes; a window the rank did not
-    report in leaves them as they are. With the defaults (3 steps, 2 windows, 1.25) a
-    rank slowed 1.5x from step s on is flagged once the job reports step s + 8 at the
+    the median of the other ranks' figures. A strike needs three things: a score above
+    ``threshold``; an excess over the peers' median above ``min_excess_s`` (timer
+    noise of sub-millisecond steps is no straggler); and an excess of at least
+    ``min_slowdown`` of the rank's step time (the median of its ``step_time_s`` in the
+    window). The last is what the excess costs the job: its peers wait that long for
+    the rank at every step. A ratio alone overstates a figure that is a small part of
+    the step: on 4 ranks sharing 2 cores with two busy processes, the loop thread ran
+    6 ms of CPU per 50 ms step, and which rank shared a core moved every second or so,
+    lifting one rank's CPU time to 1.4x its peers' for 20 steps, yet never by more
+    than 4.4% of the step. A 1.5x slower rank costs a third of the step.
+
+    Any other score clears the rank's strikes; a window the rank did not report in
+    leaves them as they are. With the defaults (3 steps, 2 windows, 1.25, 0.1) a rank
+    slowed 1.5x from step s on is flagged once the job reports step s + 8 at the
     latest (when every step is reported), and a run of up to 3 slow steps is never
     flagged. A flagged rank is reported on every check until a window clears it.
     The strikes are the state that checkpoints.
@@ -70,6 +79,7 @@ class Straggler:
         windows: int = 2,
         threshold: float = 1.25,
         min_excess_s: float = 0.001,
+        min_slowdown: float = 0.1,
         measure: str = "auto",
         name: str = "straggler",
     ) -> None:
@@ -81,9 +91,15 @@ class Straggler:
         self.windows = integer("windows", windows, low=1)
         self.threshold = number("threshold", threshold, low=1.0)
         self.min_excess_s = number("min_excess_s", min_excess_s, low=0.0, strict=False)
+        self.min_slowdown = number("min_slowdown", min_slowdown, low=0.0, strict=False)
+        if self.min_slowdown >= 1.0:
+            raise ValueError(
+                f"min_slowdown must be below 1 (a share of the step time), got {min_slowdown!r}"
+            )
         # A window is complete once some rank is one step into the one after the next
         # window's start: ranks of a synchronous job are within a step of each other.
-        self._bins = StepBins(width=self.window_steps, lag=1)
+        # (figure, step time) per rank and step
+        self._bins: StepBins[tuple[float, float]] = StepBins(width=self.window_steps, lag=1)
         self._strikes: dict[int, int] = {}
         self._scores: dict[int, float] = {}
         self._outbox = Outbox()
@@ -104,7 +120,7 @@ class Straggler:
         busy = self._figure(record)
         if busy is None:
             return
-        added = self._bins.add(record.rank, record.pid, record.step, busy)
+        added = self._bins.add(record.rank, record.pid, record.step, (busy, record.step_time_s))
         if added.rewound:
             self._forget_live()
         for window, per_rank in added.closed:
@@ -118,8 +134,14 @@ class Straggler:
         assert record.step_time_s is not None
         return max(0.0, record.step_time_s - (record.wait_s or 0.0))
 
-    def _judge(self, window: int, per_rank: Mapping[int, Sequence[float]], now: float) -> None:
-        figures = {rank: median(v) for rank, v in per_rank.items() if v}
+    def _judge(
+        self, window: int, per_rank: Mapping[int, Sequence[tuple[float, float]]], now: float
+    ) -> None:
+        figures, steps = {}, {}
+        for rank, values in per_rank.items():
+            if values:
+                figures[rank] = median([v[0] for v in values])
+                steps[rank] = median([v[1] for v in values])
         if len(figures) < 2:
             return  # no peers to compare with
         ordered = sorted(figures.values())
@@ -130,7 +152,12 @@ class Straggler:
             if peer <= 0.0:
                 continue  # peers that do no work give no scale
             scores[rank], peers[rank] = busy / peer, peer
-            slow = busy / peer > self.threshold and busy - peer > self.min_excess_s
+            excess = busy - peer
+            slow = (
+                busy / peer > self.threshold
+                and excess > self.min_excess_s
+                and excess >= self.min_slowdown * steps[rank]
+            )
             self._strikes[rank] = self._strikes.get(rank, 0) + 1 if slow else 0
         self._scores = scores
         flagged = sorted(r for r, n in self._strikes.items() if n >= self.windows)
@@ -139,9 +166,7 @@ class Straggler:
             return
         first, last = window * self.window_steps, (window + 1) * self.window_steps - 1
         by_score = sorted(scores, key=lambda r: -scores[r])
-        shown = ", ".join(
-            f"{r} ({scores[r]:.2f}x)" if r in scores else f"{r} (no report)" for r in flagged
-        )
+        shown = ", ".join(_shown(r, scores, figures, peers, steps) for r in flagged)
         self._outbox.put(
             _KEY,
             Finding(
@@ -152,17 +177,27 @@ class Straggler:
                     f"rank(s) {shown} busier per step ({self.measure} time) than their "
                     "peers' median in "
                     f"{self.windows}+ consecutive windows of {self.window_steps} steps, "
-                    f"last steps {first}-{last} (threshold {self.threshold:g}x)"
+                    f"last steps {first}-{last} (threshold {self.threshold:g}x and "
+                    f"{self.min_slowdown:.0%} of the step)"
                 ),
                 evidence={
                     "steps": [first, last],
                     "threshold": self.threshold,
+                    "min_slowdown": self.min_slowdown,
                     "windows": self.windows,
                     "window_steps": self.window_steps,
                     "measure": self.measure,
                     "scores": listed({r: round(s, 4) for r, s in scores.items()}, by_score),
                     "busy_s": listed({r: round(figures[r], 6) for r in flagged if r in figures}),
                     "peer_median_s": listed({r: round(peers[r], 6) for r in flagged if r in peers}),
+                    "step_s": listed({r: round(steps[r], 6) for r in flagged if r in steps}),
+                    "slowdown": listed(
+                        {
+                            r: round((figures[r] - peers[r]) / steps[r], 4)
+                            for r in flagged
+                            if r in peers and steps[r] > 0.0
+                        }
+                    ),
                     "strikes": listed({r: self._strikes[r] for r in flagged}),
                     "ranks_scored": len(scores),
                 },
@@ -225,6 +260,23 @@ def _median_without(ordered: Sequence[float], value: float) -> float:
 
     mid = n // 2
     return at(mid) if n % 2 else 0.5 * (at(mid - 1) + at(mid))
+
+
+def _shown(
+    rank: int,
+    scores: Mapping[int, float],
+    figures: Mapping[int, float],
+    peers: Mapping[int, float],
+    steps: Mapping[int, float],
+) -> str:
+    """``"2 (1.50x, +33% of the step)"``; a flagged rank missing from this window
+    (its strikes stand) shows ``(no report)``."""
+    if rank not in scores:
+        return f"{rank} (no report)"
+    if steps[rank] <= 0.0:
+        return f"{rank} ({scores[rank]:.2f}x)"
+    share = (figures[rank] - peers[rank]) / steps[rank]
+    return f"{rank} ({scores[rank]:.2f}x, +{share:.0%} of the step)"
 
 
 def _with_ranks(finding: Finding, ranks: tuple[int, ...]) -> Finding:

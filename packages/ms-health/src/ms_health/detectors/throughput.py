@@ -63,7 +63,7 @@ class ThroughputDrop:
         if self.warmup > self.window:
             raise ValueError(f"warmup must be <= window ({self.window}), got {warmup!r}")
         self._history: deque[float] = deque(maxlen=self.window)
-        self._bins = StepBins()
+        self._bins: StepBins[float] = StepBins()
         # The current run of slow steps: how many, and the last few.
         self._slow_steps = 0
         self._slow_since = 0.0  # driver time the first slow step of the run was judged
