@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 DIST ?= dist
 BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest pytest-jobs pytest-rest pytest-alone test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health bench-health-overhead bench-health-recovery bench-health-soak clean
+.PHONY: run test test-fast lint typecheck pytest pytest-jobs pytest-rest pytest-alone test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health bench-health-overhead bench-health-recovery bench-health-soak bench-health-straggler clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -169,6 +169,18 @@ bench-health-recovery: $(STAMP)
 bench-health-soak: $(STAMP)
 	$(BIN)/python tools/bench/health/soak.py
 	$(BIN)/python tools/bench/health/soak.py --no-faults --contention
+
+# Every heartbeat of the soak's job with two CPU hogs beside it, 10 min with no fault and
+# 5 min with a rank slowed 1.5x every 40 s, replayed through Straggler's settings.
+bench-health-straggler: $(STAMP)
+	$(BIN)/python tools/bench/health/straggler_trace.py record \
+		--out bench-results/health/straggler_trace_quiet.json
+	$(BIN)/python tools/bench/health/straggler_trace.py record --seconds 300 --slow-every 40 \
+		--out bench-results/health/straggler_trace_slow.json
+	$(BIN)/python tools/bench/health/straggler_trace.py replay \
+		bench-results/health/straggler_trace_quiet.json \
+		bench-results/health/straggler_trace_slow.json --setting 1.35:3:0.1 \
+		--setting 1.35:3:0 --setting 1.25:2:0.1 --setting 1.25:2:0
 
 # Random SIGKILLs of a 2-rank job across saves, reruns, leftovers (issue 14's soak).
 bench-kill-soak: $(STAMP)

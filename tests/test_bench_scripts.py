@@ -350,3 +350,95 @@ def test_health_train_overhead_smoke_reads_both_shares(tmp_path: Path) -> None:
     assert ci["low"] == ci["high"] == pair["ratio"] and ci["coverage"] == 0
     assert record["target_verdict"] == "not decided by this run"
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "train_overhead.json"]
+
+
+def _trace(heartbeats: list[dict[str, object]], slowed: list[dict[str, object]]) -> dict:
+    return {
+        "parameters": {"burners": 2, "slow_steps": 30},
+        "slowed": slowed,
+        "driver_findings": [],
+        "heartbeats": heartbeats,
+    }
+
+
+def test_health_straggler_trace_replays_a_trace_under_each_setting(tmp_path: Path) -> None:
+    """A made trace of 4 ranks on 50 ms steps: rank 1 at 1.4x its peers' CPU time from
+    step 10 to 40, 2.4 ms of the step (a shared core); rank 3 spinning 25 ms more per
+    step from step 60 to 90 (the slow fault). The floor on the slowdown keeps rank 1
+    quiet; both settings flag rank 3, within 10 steps of its first slow step."""
+    from ms_health.record import HeartbeatRecord
+
+    beats = []
+    for step in range(100):
+        spin = 0.025 if 60 <= step < 90 else 0.0
+        for r in range(4):
+            cpu = 0.006 + (0.0024 if r == 1 and 10 <= step < 40 else 0.0)
+            rec = HeartbeatRecord(
+                job="j",
+                rank=r,
+                world_size=4,
+                local_rank=r % 2,
+                node=f"n{r // 2}",
+                host="h",
+                pid=100 + r,
+                seq=step,
+                sent_at=1e9 + step * 0.05,
+                status="running",
+                phase="train",
+                step=step,
+                step_time_s=0.05 + spin,
+                step_cpu_s=cpu + (spin if r == 3 else 0.0),
+                hardware={"cpu_model": "x"},
+            )
+            beats.append(rec.to_json())
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(_trace(beats, [{"rank": 3, "first_slow_step": 60}])))
+    out = tmp_path / "replay.json"
+    proc = _run_bench(
+        "health/straggler_trace.py", "replay", str(path), "--out", str(out), cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| 1.35 | 3 | 0.1 | 1 | 0 (-) |" in proc.stdout, proc.stdout
+    assert "| 1.35 | 3 | 0 | 2 | 1 (4.8%) |" in proc.stdout, proc.stdout
+    floor, none = json.loads(out.read_text())[str(path)]
+    assert [e["rank"] for e in floor["episodes"]] == [3]
+    assert 0 < floor["slowed"][0]["after_steps"] < 10
+    assert floor["episodes"][0]["slowdown"] == pytest.approx(0.025 / 0.075, abs=1e-3)
+    assert [e["rank"] for e in none["unexplained"]] == [1]
+    assert none["unexplained"][0]["score"] == pytest.approx(1.4, abs=1e-3)
+    bad = _run_bench(
+        "health/straggler_trace.py", "replay", str(path), "--setting", "1.3:2", cwd=tmp_path
+    )
+    assert bad.returncode == 2 and "THRESHOLD:WINDOWS:MIN_SLOWDOWN" in bad.stderr
+
+
+@pytest.mark.slow
+def test_health_straggler_trace_smoke_records_every_heartbeat(tmp_path: Path) -> None:
+    """The soak's job with two busy loops beside it for 25 s and a slow rank every 8 s:
+    every heartbeat is kept (each rank's sequence numbers without a gap) and parses
+    back, each slowed rank's first slow step is read from its fault file, and the
+    replay runs over the trace."""
+    from ms_health.record import parse_heartbeat
+
+    out = tmp_path / "out" / "trace.json"
+    proc = _run_bench(
+        "health/straggler_trace.py", "record", "--smoke", "--out", str(out), cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
+    trace = json.loads(out.read_text())
+    assert trace["smoke"] is True and trace["machine"]["ms_health"]
+    records = [parse_heartbeat(json.dumps(h)) for h in trace["heartbeats"]]
+    assert {r.rank for r in records} == {0, 1, 2, 3}
+    gaps = 0
+    for rank in range(4):
+        seqs = [r.seq for r in records if r.rank == rank]
+        assert seqs == sorted(set(seqs)), f"rank {rank}: a heartbeat kept twice or out of order"
+        gaps += seqs[-1] - seqs[0] + 1 - len(seqs)
+    # A poll every 20 ms sees nearly every beat of 0.1 s, even with the busy loops.
+    assert trace["missed_heartbeats"] == gaps <= len(records) // 10, (gaps, len(records))
+    assert trace["slowed"] and all(f["first_slow_step"] > 0 for f in trace["slowed"])
+    replayed = _run_bench("health/straggler_trace.py", "replay", str(out), cwd=tmp_path)
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    assert "| 1.35 | 3 | 0.1 |" in replayed.stdout
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "trace.json"]

@@ -269,15 +269,22 @@ class DriverView:
     """``GET /ranks`` of a driver whose token ``<out>/health/token`` holds; for each
     (rank, pid), the ``sent_at`` of the first heartbeat seen and of the first in phase
     ``train`` (the first beat of a process comes once its model is built; phase
-    ``train`` once the checkpoint is loaded)."""
+    ``train`` once the checkpoint is loaded). With ``keep``, also every heartbeat seen
+    (:attr:`heartbeats`, each once), and :attr:`missed`, the ones a poll did not see
+    (a rank beat twice between two polls: each process numbers its heartbeats)."""
 
-    def __init__(self, url: str, out_dir: Path) -> None:
+    def __init__(self, url: str, out_dir: Path, *, keep: bool = False) -> None:
         self.url = url.rstrip("/")
         self.token_path = out_dir / "health" / "token"
         self._token: str | None = None
         #: (rank, pid) -> {"restart", "first_beat", "first_train"} (sender wall times).
         self.processes: dict[tuple[int, int], dict[str, Any]] = {}
         self.failures = 0
+        self.keep = keep
+        #: Every heartbeat seen, as the driver serves it (``keep``), oldest first.
+        self.heartbeats: list[dict[str, Any]] = []
+        self.missed = 0
+        self._last_seq: dict[tuple[int, int], int] = {}
 
     def poll(self) -> None:
         if self._token is None:
@@ -304,6 +311,12 @@ class DriverView:
             )
             if rec.get("phase") == "train" and "first_train" not in seen:
                 seen["first_train"] = rec.get("sent_at")
+            seq, last = int(rec["seq"]), self._last_seq.get(key)
+            if self.keep and seq != last:
+                if last is not None and seq > last + 1:
+                    self.missed += seq - last - 1
+                self._last_seq[key] = seq
+                self.heartbeats.append(rec)
 
 
 # ---------------------------------------------------------------------- processes

@@ -70,7 +70,7 @@ def default_detectors(interval_s: float, *, world_size: int | None = None) -> li
       10% of the step time above it, in 3 consecutive windows of 3 steps: a rank that
       slows the job 1.5x is flagged within 10 steps. 4 ranks sharing 2 CPU cores with
       two busy processes reached 1.69x their peers' CPU time for 3 windows (11 times
-      in 10 minutes), but never more than 6.7% of the step above them.
+      in one 10-minute run), but never more than 6.7% of the step above them.
     """
     interval = number("interval_s", interval_s, low=0.0)
     return [

@@ -61,8 +61,10 @@ class Straggler:
     the rank at every step. A ratio alone overstates a figure that is a small part of
     the step: on 4 ranks sharing 2 cores with two busy processes, the loop thread ran
     6 ms of CPU per 50 ms step, and which rank shared a core moved every second or so,
-    lifting one rank's CPU time to 1.4x its peers' for 20 steps, yet never by more
-    than 4.4% of the step. A 1.5x slower rank costs a third of the step.
+    lifting one rank's CPU time to 1.4-1.7x its peers' for 20 steps at a time, yet in
+    the recorded runs never by more than 8% of the step
+    (``tools/bench/health/straggler_trace.py``). A 1.5x slower rank costs a third of
+    the step.
 
     Any other score clears the rank's strikes; a window the rank did not report in
     leaves them as they are. With the defaults (3 steps, 2 windows, 1.25, 0.1) a rank
