@@ -406,15 +406,17 @@ def test_health_straggler_trace_replays_a_trace_under_each_setting(tmp_path: Pat
     assert floor["episodes"][0]["slowdown"] == pytest.approx(0.025 / 0.075, abs=1e-3)
     assert [e["rank"] for e in none["unexplained"]] == [1]
     assert none["unexplained"][0]["score"] == pytest.approx(1.4, abs=1e-3)
-    bad = _run_bench(
-        "health/straggler_trace.py", "replay", str(path), "--setting", "1.3:2", cwd=tmp_path
-    )
-    assert bad.returncode == 2 and "THRESHOLD:WINDOWS:MIN_SLOWDOWN" in bad.stderr
+    for setting, said in (("1.3:2", "THRESHOLD:WINDOWS:MIN_SLOWDOWN"), ("1.0:3:0.1", "threshold")):
+        bad = _run_bench(
+            "health/straggler_trace.py", "replay", str(path), "--setting", setting, cwd=tmp_path
+        )
+        assert bad.returncode == 2 and said in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr
 
 
 @pytest.mark.slow
 def test_health_straggler_trace_smoke_records_every_heartbeat(tmp_path: Path) -> None:
-    """The soak's job with two busy loops beside it for 25 s and a slow rank every 8 s:
+    """The soak's job with two busy loops beside it for 25 s and a slow rank every 7 s:
     every heartbeat is kept (each rank's sequence numbers without a gap) and parses
     back, each slowed rank's first slow step is read from its fault file, and the
     replay runs over the trace."""
@@ -436,8 +438,11 @@ def test_health_straggler_trace_smoke_records_every_heartbeat(tmp_path: Path) ->
         assert seqs == sorted(set(seqs)), f"rank {rank}: a heartbeat kept twice or out of order"
         gaps += seqs[-1] - seqs[0] + 1 - len(seqs)
     # A poll every 20 ms sees nearly every beat of 0.1 s, even with the busy loops.
-    assert trace["missed_heartbeats"] == gaps <= len(records) // 10, (gaps, len(records))
-    assert trace["slowed"] and all(f["first_slow_step"] > 0 for f in trace["slowed"])
+    assert gaps <= len(records) // 10, (gaps, len(records))
+    assert trace["missed_heartbeats"] >= gaps  # and counts them (a first beat may be missed too)
+    # Faults come every 7 s but none in the last 10 s; each was taken, at a real step.
+    assert len(trace["slowed"]) == 2, trace["slowed"]
+    assert all(f.get("first_slow_step", 0) > 0 for f in trace["slowed"]), trace["slowed"]
     replayed = _run_bench("health/straggler_trace.py", "replay", str(out), cwd=tmp_path)
     assert replayed.returncode == 0, replayed.stderr[-3000:]
     assert "| 1.35 | 3 | 0.1 |" in replayed.stdout

@@ -340,3 +340,64 @@ def test_a_rank_that_slows_the_step_1_5x_is_flagged_however_small_its_busy_share
     hit = first_finding(_small_share_job(Straggler(), lambda s: 0.025 if s >= start else 0.0))
     assert hit is not None and hit[1].ranks == (1,) and hit[0] - start < 10
     assert hit[1].evidence["slowdown"]["1"] == pytest.approx(0.025 / 0.075, abs=1e-4)
+
+
+def _one_window_pair(
+    det: Straggler, busy: float, step_time: float, peer: float = 0.01, windows: int = 3
+) -> list[Finding]:
+    """Two ranks, rank 0 at ``busy`` CPU seconds per step and rank 1 at ``peer``, every
+    step ``step_time`` long, for ``windows`` windows and one step into the next."""
+    found = []
+    for step in range(windows * det.window_steps + 2):
+        for r, cpu in ((0, busy), (1, peer)):
+            rec = attrs.evolve(
+                BASE,
+                rank=r,
+                pid=100 + r,
+                step=step,
+                step_time_s=step_time,
+                step_cpu_s=cpu,
+                hardware={"cpu_model": "x"},
+            )
+            det.observe(rec, float(step))
+        found += det.check(step + 0.5)
+    return found
+
+
+def test_an_excess_of_exactly_the_floor_is_a_strike_and_below_it_is_not() -> None:
+    # 0.5 s over the peer in a 1 s step is half of it (binary fractions: no rounding).
+    at = _one_window_pair(Straggler(windows=2, min_slowdown=0.5), 0.75, 1.0, peer=0.25)
+    assert at and at[0].ranks == (0,)
+    assert "(threshold 1.25x and 50% of the step)" in at[0].message
+    assert _one_window_pair(Straggler(windows=2, min_slowdown=0.5001), 0.75, 1.0, peer=0.25) == []
+
+
+def test_a_step_time_of_zero_or_no_floor_leaves_the_ratio_alone() -> None:
+    for det in (Straggler(windows=2), Straggler(windows=2, min_slowdown=0.0)):
+        zero = _one_window_pair(det, 0.03, 0.0)
+        assert zero and zero[0].ranks == (0,)
+        assert zero[0].evidence["slowdown"] == {}  # no share of a step of no time
+        assert "0 (3.00x)" in zero[0].message
+    off = _one_window_pair(Straggler(windows=2, min_slowdown=0.0), 0.03, 0.1)[0]
+    assert off.message.endswith("(threshold 1.25x)"), off.message
+
+
+def test_a_flagged_rank_that_misses_a_window_shows_no_report() -> None:
+    det = Straggler(windows=2)
+    _one_window_pair(det, 0.03, 0.1)
+    assert det.strikes == {0: 3}
+    # Rank 0 goes quiet for a window; ranks 1 and 2 report it.
+    for step in range(12, 17):  # the window of steps 12-14 closes at step 16
+        for r in (1, 2):
+            rec = attrs.evolve(
+                BASE,
+                rank=r,
+                pid=100 + r,
+                step=step,
+                step_time_s=0.1,
+                step_cpu_s=0.01,
+                hardware={"cpu_model": "x"},
+            )
+            det.observe(rec, float(step))
+    found = det.check(20.0)
+    assert found and found[0].ranks == (0,) and "rank(s) 0 (no report) busier" in found[0].message

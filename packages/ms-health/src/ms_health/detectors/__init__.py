@@ -66,11 +66,11 @@ def default_detectors(interval_s: float, *, world_size: int | None = None) -> li
     - :class:`ThroughputDrop`: below 0.7 x the median of the last 50 normal steps for
       5 consecutive steps and 30 s, after 10 (4 ranks sharing 2 cores with two busy
       processes dipped to 0.69x for 5 steps, a few seconds, in a 10-minute soak).
-    - :class:`Straggler`: busy time above 1.35 x the peers' median, and more than
-      10% of the step time above it, in 3 consecutive windows of 3 steps: a rank that
-      slows the job 1.5x is flagged within 10 steps. 4 ranks sharing 2 CPU cores with
-      two busy processes reached 1.69x their peers' CPU time for 3 windows (11 times
-      in one 10-minute run), but never more than 6.7% of the step above them.
+    - :class:`Straggler`: busy time above 1.35 x the peers' median, and at least 10%
+      of the step time above it, in 3 consecutive windows of 3 steps: a rank that
+      makes the job's steps 1.5x as long is flagged within 10 steps, while a rank
+      that shares its cores with other processes, whose CPU time per step rises by a
+      few percent of the step at a time, is not (``Straggler``).
     """
     interval = number("interval_s", interval_s, low=0.0)
     return [

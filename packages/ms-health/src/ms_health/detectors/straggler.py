@@ -61,17 +61,17 @@ class Straggler:
     the rank at every step. A ratio alone overstates a figure that is a small part of
     the step: on 4 ranks sharing 2 cores with two busy processes, the loop thread ran
     6 ms of CPU per 50 ms step, and which rank shared a core moved every second or so,
-    lifting one rank's CPU time to 1.4-1.7x its peers' for 20 steps at a time, yet in
-    the recorded runs never by more than 8% of the step
-    (``tools/bench/health/straggler_trace.py``). A 1.5x slower rank costs a third of
-    the step.
+    lifting one rank's CPU time to 1.4-1.7x its peers' for 20 steps at a time, yet by
+    a few percent of the step (``tools/bench/health/straggler_trace.py`` records and
+    replays such runs). A rank that makes the step 1.5x as long costs a third of it.
+    ``min_slowdown=0`` turns the floor off, as does a step time of 0.
 
-    Any other score clears the rank's strikes; a window the rank did not report in
+    Any other window clears the rank's strikes; a window the rank did not report in
     leaves them as they are. With the defaults (3 steps, 2 windows, 1.25, 0.1) a rank
-    slowed 1.5x from step s on is flagged once the job reports step s + 8 at the
-    latest (when every step is reported), and a run of up to 3 slow steps is never
-    flagged. A flagged rank is reported on every check until a window clears it.
-    The strikes are the state that checkpoints.
+    that makes the job's steps 1.5x as long from step s on is flagged once the job
+    reports step s + 8 at the latest (when every step is reported), and a run of up to
+    3 slow steps is never flagged. A flagged rank is reported on every check until a
+    window clears it. The strikes are the state that checkpoints.
     """
 
     def __init__(
@@ -169,6 +169,7 @@ class Straggler:
         first, last = window * self.window_steps, (window + 1) * self.window_steps - 1
         by_score = sorted(scores, key=lambda r: -scores[r])
         shown = ", ".join(_shown(r, scores, figures, peers, steps) for r in flagged)
+        floor = f" and {self.min_slowdown * 100:g}% of the step" if self.min_slowdown else ""
         self._outbox.put(
             _KEY,
             Finding(
@@ -179,8 +180,7 @@ class Straggler:
                     f"rank(s) {shown} busier per step ({self.measure} time) than their "
                     "peers' median in "
                     f"{self.windows}+ consecutive windows of {self.window_steps} steps, "
-                    f"last steps {first}-{last} (threshold {self.threshold:g}x and "
-                    f"{self.min_slowdown:.0%} of the step)"
+                    f"last steps {first}-{last} (threshold {self.threshold:g}x{floor})"
                 ),
                 evidence={
                     "steps": [first, last],
@@ -272,9 +272,12 @@ def _shown(
     steps: Mapping[int, float],
 ) -> str:
     """``"2 (1.50x, +33% of the step)"``; a flagged rank missing from this window
-    (its strikes stand) shows ``(no report)``."""
-    if rank not in scores:
+    (its strikes stand) shows ``(no report)``, one whose peers did no work
+    ``(no peer time)``."""
+    if rank not in figures:
         return f"{rank} (no report)"
+    if rank not in scores:
+        return f"{rank} (no peer time)"
     if steps[rank] <= 0.0:
         return f"{rank} ({scores[rank]:.2f}x)"
     share = (figures[rank] - peers[rank]) / steps[rank]
