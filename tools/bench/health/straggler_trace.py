@@ -36,8 +36,10 @@ that flagged it (target: within 10, as the ms-train fault test counts them), and
 episodes that no slow fault explains. A fault explains an episode of its rank with a
 window ending from ``windows - 1`` windows after the first slow step (the soonest a
 finding can come) to ``windows`` windows after the last one (``explained_span``). A
-fault filed but never taken (the recording ended first) is shown as such. Prints a
-table per trace; with ``--out``, writes the same as JSON.
+fault filed but never taken (the recording ended first) is shown as such. Also, per
+threshold and windows, the least floor that silences every finding no fault explains
+(``silencing_floor``): the margin a floor has over the trace's noise. Prints a table
+per trace; with ``--out``, writes the same as JSON.
 
 ``--smoke`` (record): 25 s, a slow fault every 7 s (none in the last 10 s): a check
 that the script works, not a measurement.
@@ -247,6 +249,28 @@ def replay(trace: dict[str, Any], setting: tuple[float, int, float]) -> dict[str
     }
 
 
+def silencing_floor(trace: dict[str, Any], threshold: float, windows: int) -> float | None:
+    """The least ``min_slowdown`` (to 0.1% of the step) at which ``threshold`` and
+    ``windows`` raise no finding in ``trace`` that no slow fault explains: 0 when none
+    comes without a floor, None when even 50% leaves one. A higher floor only takes
+    strikes away, so a bisection finds it; this is the margin a floor has over the
+    trace's noise, which the largest share in one window overstates (a strike needs
+    ``windows`` windows in a row)."""
+
+    def quiet(floor: float) -> bool:
+        return not replay(trace, (threshold, windows, floor))["unexplained"]
+
+    if quiet(0.0):
+        return 0.0
+    lo, hi = 0.0, 0.5
+    if not quiet(hi):
+        return None
+    while hi - lo > 0.001:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if quiet(mid) else (mid, hi)
+    return round(hi, 3)
+
+
 def explained_span(first: int, slow_steps: int, windows: int) -> tuple[int, int]:
     """The last steps of the windows whose finding a rank slowed from step ``first`` for
     ``slow_steps`` steps can explain: a window ending at ``first`` or later can be a
@@ -267,9 +291,9 @@ def _table(name: str, trace: dict[str, Any], results: list[dict[str, Any]]) -> l
         f"driver found {len(trace['driver_findings'])} finding(s) in the run",
         "",
         "| threshold | windows | min_slowdown | episodes | not explained by a fault "
-        "(largest excess, share of the step) | slowed ranks flagged, steps after the first "
-        "slow step |",
-        "|---:|---:|---:|---:|---|---|",
+        "(largest excess in a window, share of the step) | least floor that silences "
+        "them | slowed ranks flagged, steps after the first slow step |",
+        "|---:|---:|---:|---:|---|---:|---|",
     ]
     for r in results:
         s = r["setting"]
@@ -283,9 +307,12 @@ def _table(name: str, trace: dict[str, Any], results: list[dict[str, Any]]) -> l
             else str(d["after_steps"])
             for d in r["slowed"]
         )
+        floor = r["silencing_floor"]
+        silences = "over 50%" if floor is None else f"{floor:.1%}"
         lines.append(
             f"| {s['threshold']:g} | {s['windows']} | {s['min_slowdown']:g} | "
-            f"{len(r['episodes'])} | {len(r['unexplained'])} ({shown}) | {after or '-'} |"
+            f"{len(r['episodes'])} | {len(r['unexplained'])} ({shown}) | {silences} | "
+            f"{after or '-'} |"
         )
     return lines
 
@@ -337,7 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     report = {}
     for path in args.traces:
         trace = json.loads(Path(path).read_text())
-        results = [replay(trace, s) for s in settings]
+        results = []
+        floors: dict[tuple[float, int], float | None] = {}
+        for setting in settings:
+            result = replay(trace, setting)
+            key = setting[:2]
+            if key not in floors:
+                floors[key] = silencing_floor(trace, *key)
+            result["silencing_floor"] = floors[key]
+            results.append(result)
         report[path] = results
         print("\n".join(_table(path, trace, results)))
     if args.out:

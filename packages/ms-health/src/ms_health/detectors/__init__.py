@@ -69,8 +69,9 @@ def default_detectors(interval_s: float, *, world_size: int | None = None) -> li
     - :class:`Straggler`: busy time above 1.35 x the peers' median, and at least 10%
       of the step time above it, in 3 consecutive windows of 3 steps: a rank that
       makes the job's steps 1.5x as long is flagged within 10 steps, while a rank
-      that shares its cores with other processes, whose CPU time per step rises by a
-      few percent of the step at a time, is not (``Straggler``).
+      that shares its cores with other processes, whose CPU time per step rose by
+      under 7% of the step over 3 windows in a row in the recorded runs, is not
+      (``Straggler``).
     """
     interval = number("interval_s", interval_s, low=0.0)
     return [

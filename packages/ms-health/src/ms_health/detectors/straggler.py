@@ -52,7 +52,8 @@ class Straggler:
     thread's CPU time, so busy time it is.
 
     Per window, a rank's figure is the median of the figures it reported in the
-    window (one slow step of three does not move it); its score is that figure over
+    window (of three, one slow step does not move it; heartbeats slower than the
+    steps may bring only one or two, and then one decides); its score is that figure over
     the median of the other ranks' figures. A strike needs three things: a score above
     ``threshold``; an excess over the peers' median above ``min_excess_s`` (timer
     noise of sub-millisecond steps is no straggler); and an excess of at least
@@ -62,9 +63,10 @@ class Straggler:
     the step: on 4 ranks sharing 2 cores with two busy processes, the loop thread ran
     6 ms of CPU per 50 ms step, and which rank shared a core moved every second or so,
     lifting one rank's CPU time to 1.4-1.7x its peers' for 20 steps at a time, yet by
-    a few percent of the step (``tools/bench/health/straggler_trace.py`` records and
-    replays such runs). A rank that makes the step 1.5x as long costs a third of it.
-    ``min_slowdown=0`` turns the floor off, as does a step time of 0.
+    under 7% of the step over 3 windows in a row (recorded and replayed by
+    ``tools/bench/health/straggler_trace.py``). A rank that makes the step 1.5x as
+    long costs a third of it. ``min_slowdown=0`` turns the floor off, as does a step
+    time of 0.
 
     Any other window clears the rank's strikes; a window the rank did not report in
     leaves them as they are. With the defaults (3 steps, 2 windows, 1.25, 0.1) a rank
