@@ -296,6 +296,19 @@ def test_on_a_cpu_the_cpu_time_decides_and_a_descheduled_rank_is_no_straggler() 
         Straggler(measure="wall")
 
 
+def _on_cpu(rank: int, step: int, step_time: float, cpu: float) -> HeartbeatRecord:
+    """Rank ``rank``'s heartbeat after ``step`` on a CPU: the step's wall and CPU time."""
+    return attrs.evolve(
+        BASE,
+        rank=rank,
+        pid=100 + rank,
+        step=step,
+        step_time_s=step_time,
+        step_cpu_s=cpu,
+        hardware={"cpu_model": "x"},
+    )
+
+
 def _small_share_job(det: Straggler, extra: Callable[[int], float]) -> dict[int, list[Finding]]:
     """What 4 ranks sharing 2 cores with two busy processes showed: the loop thread runs
     6 ms of CPU per 50 ms step (the rest is the collectives and the wait for a core),
@@ -305,16 +318,7 @@ def _small_share_job(det: Straggler, extra: Callable[[int], float]) -> dict[int,
         step_time = 0.05 + extra(step)
         for r in range(4):
             cpu = 0.006 + (extra(step) if r == 1 else 0.0)
-            rec = attrs.evolve(
-                BASE,
-                rank=r,
-                pid=100 + r,
-                step=step,
-                step_time_s=step_time,
-                step_cpu_s=cpu,
-                hardware={"cpu_model": "x"},
-            )
-            det.observe(rec, float(step))
+            det.observe(_on_cpu(r, step, step_time, cpu), float(step))
         out[step] = det.check(step + 0.5)
     return out
 
@@ -350,16 +354,7 @@ def _one_window_pair(
     found = []
     for step in range(windows * det.window_steps + 2):
         for r, cpu in ((0, busy), (1, peer)):
-            rec = attrs.evolve(
-                BASE,
-                rank=r,
-                pid=100 + r,
-                step=step,
-                step_time_s=step_time,
-                step_cpu_s=cpu,
-                hardware={"cpu_model": "x"},
-            )
-            det.observe(rec, float(step))
+            det.observe(_on_cpu(r, step, step_time, cpu), float(step))
         found += det.check(step + 0.5)
     return found
 
@@ -389,15 +384,6 @@ def test_a_flagged_rank_that_misses_a_window_shows_no_report() -> None:
     # Rank 0 goes quiet for a window; ranks 1 and 2 report it.
     for step in range(12, 17):  # the window of steps 12-14 closes at step 16
         for r in (1, 2):
-            rec = attrs.evolve(
-                BASE,
-                rank=r,
-                pid=100 + r,
-                step=step,
-                step_time_s=0.1,
-                step_cpu_s=0.01,
-                hardware={"cpu_model": "x"},
-            )
-            det.observe(rec, float(step))
+            det.observe(_on_cpu(r, step, 0.1, 0.01), float(step))
     found = det.check(20.0)
     assert found and found[0].ranks == (0,) and "rank(s) 0 (no report) busier" in found[0].message
