@@ -86,6 +86,27 @@ def test_gpu_kernels_smoke_prints_every_table_and_writes_nothing(tmp_path: Path)
     assert not list(tmp_path.rglob("*")), "--smoke wrote files"
 
 
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--norm-shapes", "8192x4096,16384"), ["--norm-shapes", "tokens x hidden", "'16384'"]),
+        (("--attention-shapes", "4x4096x32x8"), ["--attention-shapes", "'4x4096x32x8'"]),
+        (("--windows", "causal,0"), ["--windows", "or 'causal'", "'0'"]),
+        (
+            ("--attention-shapes", "1x1024x12x8x64"),
+            ["--attention-shapes", "multiple of key/value heads", "12 query heads, 8"],
+        ),
+    ],
+)
+def test_gpu_kernels_refuses_a_bad_case_list(
+    tmp_path: Path, args: tuple[str, ...], words: list[str]
+) -> None:
+    proc = _run_gpu_kernels(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert all(w in proc.stderr for w in words), proc.stderr
+    assert not list(tmp_path.rglob("*"))
+
+
 @pytest.mark.slow
 def test_gpu_kernels_only_runs_one_section(tmp_path: Path) -> None:
     proc = _run_gpu_kernels("--smoke", "--only", "norms", cwd=tmp_path)
@@ -103,6 +124,22 @@ def _run_bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProces
         timeout=240,
         check=False,
     )
+
+
+def test_ckpt_gpu_stall_without_cuda_says_so_and_measures_nothing(tmp_path: Path) -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench" / "ckpt" / "gpu_stall.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("no CUDA device"), proc.stdout
+    assert not list(tmp_path.rglob("*")), "wrote files without measuring anything"
 
 
 @pytest.mark.slow

@@ -363,17 +363,22 @@ def test_writer_process_imports_no_torch(tmp_path: Path) -> None:
 def test_stage1_waits_for_the_current_stream_only(tmp_path: Path) -> None:
     """A kernel on another stream still runs when ``save()`` returns; the state made on
     the current stream is what gets written."""
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles, off the state's path
-        side_done = torch.cuda.Event()
-        side_done.record()
-    w = torch.arange(1 << 20, device="cuda", dtype=torch.float32).mul_(3)  # current stream
+    w = torch.arange(1 << 20, device="cuda", dtype=torch.float32).mul_(3)
     with Checkpointer(str(tmp_path)) as ckpt:
-        handle = ckpt.save(1, {"w": w})
+        # The first save starts the writer and maps the host buffer, and the first
+        # mul_ loads its kernel: with CUDA's lazy module loading a first launch can
+        # wait for every stream. Only the second save, after warm kernels, is under test.
+        ckpt.save(1, {"w": w}).wait(timeout=DEADLINE)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(10_000_000_000)  # seconds of GPU cycles, off the state's path
+            side_done = torch.cuda.Event()
+            side_done.record()
+        w.mul_(3)  # current stream
+        handle = ckpt.save(2, {"w": w})
         assert not side_done.query()  # a global synchronize would have waited for it
         handle.wait(timeout=DEADLINE)
         got = {"w": torch.zeros(1 << 20)}
         ckpt.load(got)
     side_done.synchronize()
-    assert torch.equal(got["w"], torch.arange(1 << 20, dtype=torch.float32) * 3)
+    assert torch.equal(got["w"], torch.arange(1 << 20, dtype=torch.float32) * 9)

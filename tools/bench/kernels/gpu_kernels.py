@@ -2,6 +2,8 @@
 
     .venv/bin/python tools/bench/kernels/gpu_kernels.py [--reps 20] [--warmup 5]
         [--only norms|attention] [--dtypes bf16,fp16] [--out PATH]
+        [--norm-shapes 8192x4096,...] [--attention-shapes 4x4096x32x8x128,...]
+        [--windows causal,512,...]
     .venv/bin/python tools/bench/kernels/gpu_kernels.py --smoke
 
 Without a CUDA device it prints one line starting "no CUDA device" and exits 0,
@@ -231,7 +233,7 @@ def norm_candidates(op: NormOp, on_cuda: bool) -> dict[str, Callable[..., Any] |
 def run_norms(
     args: argparse.Namespace, device: torch.device, timer: Timer, bandwidth: float
 ) -> list[dict[str, Any]]:
-    shapes = SMOKE_NORM_SHAPES if args.smoke else NORM_SHAPES
+    shapes = SMOKE_NORM_SHAPES if args.smoke else args.norm_shapes
     cases = [(op, s, d) for op in NORM_OPS for s in shapes for d in args.dtypes]
     records = []
     for i, (op, (m, n), dtype_name) in enumerate(cases):
@@ -344,8 +346,8 @@ def run_attention(
         print(f"attention: skipped, ms_kernels has no sliding_window_attention yet ({exc})")
         return None
     flash = _flash_attn_func()
-    shapes = SMOKE_ATTENTION_SHAPES if args.smoke else ATTENTION_SHAPES
-    windows = SMOKE_WINDOWS if args.smoke else WINDOWS
+    shapes = SMOKE_ATTENTION_SHAPES if args.smoke else args.attention_shapes
+    windows = SMOKE_WINDOWS if args.smoke else args.windows
     # A window as wide as the sequence is full causal attention again: not a new case.
     cases = [
         (shape, w, d)
@@ -468,6 +470,39 @@ def _dtypes(text: str) -> list[str]:
     return names
 
 
+def _shapes(size: int, what: str) -> Callable[[str], list[tuple[int, ...]]]:
+    """A parser of comma-separated shapes such as 8192x4096, each of `size` integers >= 1."""
+
+    def parse(text: str) -> list[tuple[int, ...]]:
+        shapes = []
+        for item in (t.strip() for t in text.split(",")):
+            dims = item.split("x")
+            if len(dims) != size or not all(d.isdigit() and int(d) >= 1 for d in dims):
+                raise argparse.ArgumentTypeError(
+                    f"must be comma-separated {what} ({size} integers >= 1 joined by x), "
+                    f"got {item!r}"
+                )
+            shapes.append(tuple(int(d) for d in dims))
+        return shapes
+
+    return parse
+
+
+def _windows(text: str) -> list[int | None]:
+    windows: list[int | None] = []
+    for item in (t.strip() for t in text.split(",")):
+        if item == "causal":
+            windows.append(None)
+        elif item.isdigit() and int(item) >= 1:
+            windows.append(int(item))
+        else:
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated window sizes in tokens (integers >= 1) or 'causal', "
+                f"got {item!r}"
+            )
+    return windows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=_positive, default=20, help="timed repetitions per candidate")
@@ -477,8 +512,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--out", type=Path, help="JSON path (default bench-results/gpu_kernels-<date>.json)"
     )
+    ap.add_argument(
+        "--norm-shapes",
+        type=_shapes(2, "tokens x hidden"),
+        default=NORM_SHAPES,
+        help="norm cases, e.g. 8192x4096,16384x8192 (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--attention-shapes",
+        type=_shapes(5, "batch x seq x q heads x kv heads x head dim"),
+        default=ATTENTION_SHAPES,
+        help="attention cases, e.g. 4x4096x32x8x128 (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--windows",
+        type=_windows,
+        default=WINDOWS,
+        help="attention windows in tokens or 'causal', e.g. causal,512 (default: %(default)s)",
+    )
     ap.add_argument("--smoke", action="store_true", help="run every path once on tiny shapes")
     args = ap.parse_args(argv)
+    for b, s, hq, hkv, d in args.attention_shapes:
+        if hq % hkv:
+            ap.error(
+                f"--attention-shapes: query heads must be a multiple of key/value heads, "
+                f"got {b}x{s}x{hq}x{hkv}x{d} ({hq} query heads, {hkv} key/value heads)"
+            )
 
     if not args.smoke and not torch.cuda.is_available():
         print(f"no CUDA device: {SCRIPT} measures GPU kernels only; nothing measured")
@@ -503,9 +562,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warmup": args.warmup,
             "dtypes": args.dtypes,
             "only": args.only,
-            "norm_shapes": NORM_SHAPES,
-            "attention_shapes_b_s_hq_hkv_d": ATTENTION_SHAPES,
-            "windows_tokens": WINDOWS,
+            "norm_shapes": args.norm_shapes,
+            "attention_shapes_b_s_hq_hkv_d": args.attention_shapes,
+            "windows_tokens": args.windows,
             "l2_flush_bytes": L2_FLUSH_BYTES,
             "copy_bytes": copy_bytes,
             "gemm_n": GEMM_N,
