@@ -14,7 +14,8 @@ with the ``Nodes`` of NODE_ARGS_JSON); each rank trains CONFIG with a
 - ``gil:R:K``: rank R enters, at step K and once per job, a C call that holds the GIL
   and never checks for signals (``sum`` over a huge range);
 - ``slow:R:K:F[:N]``: from step K on (for N steps; without N, to the end), rank R's
-  steps take F times as long (it spins, as a slower processor would compute longer);
+  steps take F times as long (it spins for F - 1 times the rest of its last step, in
+  CPU time, as a slower processor would compute longer);
   with N, brief jitter;
 - ``mute:R:K``: at step K, once per job, rank R's heartbeat sender thread dies (as an
   uncaught error in it would end it) while the rank trains on;
@@ -154,10 +155,12 @@ class FaultyTrainer(Trainer):
             self._step_s = now - self._last_start
             if slow > 1.0:
                 # The whole step slower, as a slower processor would be: F - 1 times the
-                # rest of the step as more CPU work (a spin, not a sleep), before the
-                # step's compute, where its peers then wait for it in the collectives.
-                end = time.perf_counter() + self._step_s * (slow - 1.0)
-                while time.perf_counter() < end:
+                # rest of the step as more CPU work, before the step's compute, where its
+                # peers then wait for it in the collectives. A spin on this thread's CPU
+                # time, not the clock's: on a busy host the work takes longer, as a slower
+                # processor's would, rather than shrinking to what the scheduler allows.
+                end = time.thread_time() + self._step_s * (slow - 1.0)
+                while time.thread_time() < end:
                     pass
         self._last_start = time.perf_counter()
         return super().train_step(step)
