@@ -353,12 +353,31 @@ def test_health_train_overhead_smoke_reads_both_shares(tmp_path: Path) -> None:
     the heartbeat's share measured inside the health run, and the CPU of the launcher
     (the driver and agent with --health) and of the ranks, read from /proc as it ran."""
     out = tmp_path / "out" / "train_overhead.json"
-    proc = _run_bench("health/train_overhead.py", "--smoke", "--out", str(out), cwd=tmp_path)
+    proc = _run_bench(
+        "health/train_overhead.py",
+        "--smoke",
+        "--idle-interval",
+        "30",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
     assert "the launcher's CPU" in proc.stdout, proc.stdout[-2000:]
     record = json.loads(out.read_text())
     (pair,) = record["pairs"]
+    # the third arm: --health with beats and agent reports every 30 s, in one of the six
+    # orders of the three
+    idle = pair["runs"]["--health, idle"]
+    assert idle["flag"] == "--health" and idle["interval_s"] == 30
+    assert sorted(pair["order"]) == sorted(["--health", "--no-health", "--health, idle"])
+    assert pair["idle_ratio"] == idle["tokens_per_s"] / pair["runs"]["--no-health"]["tokens_per_s"]
+    assert pair["work_ratio"] == pair["runs"]["--health"]["tokens_per_s"] / idle["tokens_per_s"]
+    assert record["split"]["idle_ratio"]["median"] == pair["idle_ratio"]
+    assert "idle / no-health" in proc.stdout and "health / idle" in proc.stdout
+    # its senders still time the loop's calls (steps, collective events), fewer beats
+    assert idle["health_cost"]["loop_calls"] > 0
     for flag in ("--health", "--no-health"):
         run = pair["runs"][flag]
         assert run["tokens_per_s"] > 0
@@ -370,9 +389,12 @@ def test_health_train_overhead_smoke_reads_both_shares(tmp_path: Path) -> None:
     assert pair["runs"]["--health"]["health_cost"]["share"] > 0
     assert pair["runs"]["--no-health"]["health_cost"] is None
     # ms-health's threads, found by their kernel names: in the launcher (driver, agent)
-    # and in the ranks (the senders) with --health, nowhere without it
-    threads = pair["runs"]["--health"]["health_threads_cpu_s"]
-    assert threads["launcher"] > 0 and threads["ranks"] > 0, threads
+    # and in the ranks (the senders) with --health, nowhere without it. In 12 steps
+    # they can use less CPU than one 10 ms tick of /proc's counters.
+    for arm in ("--health", "--health, idle"):
+        seen = pair["runs"][arm]["health_threads_seen"]
+        assert seen["launcher"] >= 2 and seen["ranks"] >= 2, (arm, seen)  # driver + agent
+    assert pair["runs"]["--no-health"]["health_threads_seen"] == {"launcher": 0, "ranks": 0}
     assert pair["runs"]["--no-health"]["health_threads_cpu_s"] == {"launcher": 0, "ranks": 0}
     assert record["ranks_cpu_s"]["--health"] > 0
     rate = record["launcher_cpu_per_wall_s"]
@@ -387,6 +409,17 @@ def test_health_train_overhead_smoke_reads_both_shares(tmp_path: Path) -> None:
     assert ci["low"] == ci["high"] == pair["ratio"] and ci["coverage"] == 0
     assert record["target_verdict"] == "not decided by this run"
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "train_overhead.json"]
+
+
+@pytest.mark.parametrize("idle", ["0.5", "0.2", "61"])
+def test_health_train_overhead_refuses_an_idle_interval_out_of_range(
+    tmp_path: Path, idle: str
+) -> None:
+    proc = _run_bench("health/train_overhead.py", "--idle-interval", idle, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--idle-interval must be above --interval (0.5) and at most 60 s" in proc.stderr
+    assert f"got {float(idle):g}" in proc.stderr
+    assert not list(tmp_path.rglob("*"))
 
 
 def _trace(heartbeats: list[dict[str, object]], slowed: list[dict[str, object]]) -> dict:

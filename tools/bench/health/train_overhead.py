@@ -2,7 +2,7 @@
 ``--no-health``, the same job back to back.
 
     .venv/bin/python tools/bench/health/train_overhead.py [--reps 21] [--steps 120]
-        [--nproc 2] [--interval 0.5] [--out PATH] [--smoke]
+        [--nproc 2] [--interval 0.5] [--idle-interval S] [--out PATH] [--smoke]
 
 Each run is the real command, ``ms-train --preset tiny --nproc N`` (the embedded demo
 corpus), in a fresh temporary out dir, with ``train.steps=--steps``, a checkpoint only
@@ -43,6 +43,15 @@ one is what ms-health can cost the ranks' tokens/s in all. ms-health names its t
 for the kernel (``ms-health-*``), so the sampler also reads their CPU directly, by the
 role of their process: the launcher's part without the difference's noise.
 
+With ``--idle-interval S`` each repetition runs a third arm, ``--health`` with
+heartbeats and the node agent's reports every S s (at most 60): everything ms-health
+starts and installs is there (the driver and its check tick, the agent, the senders,
+the dump handler, the event hook on every collective), but almost none of its periodic
+work happens in a run of a minute or less. Each repetition runs the three in one of
+their six orders, in turn (use a multiple of 6 repetitions).
+Reported besides: idle / no-health (what being there costs) and health / idle (what
+the periodic work costs), each the median of its pairs with its interval.
+
 Prints a table and writes a JSON record (machine, parameters, every run) to ``--out``
 (default ``bench-results/health/train_overhead.json``). ``--smoke``: 12 steps, one
 repetition: a check that the script works, not a measurement.
@@ -52,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -69,6 +79,7 @@ TARGET_RATIO = 0.99
 #: ms-health names its threads for the kernel (``ms_health._host.name_thread``).
 HEALTH_THREAD = "ms-health-"
 ON, OFF = "--health", "--no-health"
+IDLE = "--health, idle"
 
 
 class CpuSampler:
@@ -178,9 +189,19 @@ class CpuSampler:
             out[self._role[pid]] += cpu
         return out
 
+    @property
+    def health_threads_seen(self) -> dict[str, int]:
+        """How many ms-health threads were seen, by the role of their process (a short
+        run's threads can use less CPU than the kernel's 10 ms tick counts)."""
+        out = {"launcher": 0, "ranks": 0}
+        for pid, _ in self._thread_cpu:
+            out[self._role[pid]] += 1
+        return out
 
-def run(flag: str, steps: int, nproc: int, interval: float) -> dict[str, Any]:
+
+def run(arm: str, steps: int, nproc: int, interval: float) -> dict[str, Any]:
     """One ``ms-train`` run; its summary's rate and the wall time of the command."""
+    flag = OFF if arm == OFF else ON
     with tempfile.TemporaryDirectory(prefix="ms-health-overhead-") as out:
         cmd = [sys.executable, "-m", "ms_train.cli", "--preset", "tiny", "--nproc", str(nproc)]
         cmd += [flag, "--peak-tflops", "0.1"]
@@ -218,12 +239,15 @@ def run(flag: str, steps: int, nproc: int, interval: float) -> dict[str, Any]:
                     findings.append(event["message"])
         return {
             "flag": flag,
+            "arm": arm,
+            "interval_s": interval,
             "tokens_per_s": summary["tokens_per_s"],
             "health_cost": summary.get("health_cost"),
             "wall_s": round(wall, 3),
             "findings": findings,
             "cpu_s": sampler.cpu_s,
             "health_threads_cpu_s": sampler.health_cpu_s,
+            "health_threads_seen": sampler.health_threads_seen,
             "progress_line": [ln for ln in stdout.splitlines() if "health" in ln][-1:],
         }
 
@@ -234,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument(
+        "--idle-interval",
+        type=float,
+        default=None,
+        help="also run --health with this heartbeat interval (s, at most 60): ms-health idle",
+    )
     parser.add_argument("--out", default="bench-results/health/train_overhead.json")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
@@ -242,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         print("smoke: not a measurement")
     if args.reps < 1 or args.steps < 3:
         parser.error(f"--reps must be >= 1 and --steps >= 3, got {args.reps} and {args.steps}")
+    if args.idle_interval is not None and not args.interval < args.idle_interval <= 60:
+        parser.error(
+            f"--idle-interval must be above --interval ({args.interval:g}) and at most 60 s, "
+            f"got {args.idle_interval:g}"
+        )
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()
     print(
@@ -250,14 +285,30 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     pairs: list[dict[str, Any]] = []
+    # Every order of the arms in turn (2 with two arms, 6 with three), so that each arm
+    # runs before and after each other equally often over a multiple of that many reps.
+    orders = list(
+        itertools.permutations([ON, OFF] if args.idle_interval is None else [ON, OFF, IDLE])
+    )
     for rep in range(args.reps):
-        order = (ON, OFF) if rep % 2 == 0 else (OFF, ON)
-        runs = {flag: run(flag, args.steps, args.nproc, args.interval) for flag in order}
+        order = orders[rep % len(orders)]
+        runs = {
+            arm: run(
+                arm, args.steps, args.nproc, args.idle_interval if arm == IDLE else args.interval
+            )
+            for arm in order
+        }
         ratio = runs[ON]["tokens_per_s"] / runs[OFF]["tokens_per_s"]
-        pairs.append({"rep": rep, "order": list(order), "runs": runs, "ratio": ratio})
+        pair = {"rep": rep, "order": list(order), "runs": runs, "ratio": ratio}
+        idle = ""
+        if IDLE in runs:
+            pair["idle_ratio"] = runs[IDLE]["tokens_per_s"] / runs[OFF]["tokens_per_s"]
+            pair["work_ratio"] = runs[ON]["tokens_per_s"] / runs[IDLE]["tokens_per_s"]
+            idle = f"   idle {runs[IDLE]['tokens_per_s']:8.0f} tok/s"
+        pairs.append(pair)
         print(
             f"  rep {rep}: {ON} {runs[ON]['tokens_per_s']:8.0f} tok/s   {OFF} "
-            f"{runs[OFF]['tokens_per_s']:8.0f} tok/s   ratio {ratio:.4f}",
+            f"{runs[OFF]['tokens_per_s']:8.0f} tok/s{idle}   ratio {ratio:.4f}",
             flush=True,
         )
     ratios = [p["ratio"] for p in pairs]
@@ -272,7 +323,23 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "shown not to hold"
     else:
         verdict = "not decided by this run"
+    split: dict[str, Any] = {}
+    for key, what in (
+        ("idle_ratio", "idle / no-health (ms-health there, idle)"),
+        ("work_ratio", "health / idle (ms-health's periodic work)"),
+    ):
+        values = [p[key] for p in pairs if key in p]
+        if not values:
+            continue
+        lo, hi, cov = median_ci(values)
+        split[key] = {"median": statistics.median(values), "ci": [lo, hi], "coverage": cov}
+        print(
+            f"{what}, median of {len(values)} pairs: {statistics.median(values):.4f} "
+            f"(min-max {min(values):.4f}-{max(values):.4f}); {cov * 100:.1f}% interval "
+            f"{lo:.4f}-{hi:.4f}"
+        )
     findings = [m for p in pairs for m in p["runs"][ON]["findings"]]
+    findings += [m for p in pairs if IDLE in p["runs"] for m in p["runs"][IDLE]["findings"]]
     costs = [p["runs"][ON]["health_cost"] for p in pairs if p["runs"][ON]["health_cost"]]
     share = statistics.median(c["share"] for c in costs) if costs else None
     print("\n| run | tokens/s (median) | min-max |\n|---|---:|---:|")
@@ -369,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         "health_threads_cpu_per_wall_s": threads,
         "total_share": total_share,
         "total_share_target_met": total_share is not None and total_share < 1 - TARGET_RATIO,
+        "split": split,
         "findings": findings,
         "pairs": pairs,
     }
