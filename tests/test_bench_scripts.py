@@ -349,9 +349,10 @@ def test_health_sender_overhead_smoke_times_every_call(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_health_train_overhead_smoke_reads_both_shares(tmp_path: Path) -> None:
-    """ms-train tiny on 2 ranks with --health and with --no-health: each run's tokens/s,
-    the heartbeat's share measured inside the health run, and the CPU of the launcher
-    (the driver and agent with --health) and of the ranks, read from /proc as it ran."""
+    """ms-train tiny on 2 ranks with --health, with --no-health and with --health idle
+    (beats every 30 s): each run's tokens/s, the heartbeat's share measured inside the
+    health runs, and the CPU of the launcher (the driver and agent with --health) and of
+    the ranks, read from /proc as it ran."""
     out = tmp_path / "out" / "train_overhead.json"
     proc = _run_bench(
         "health/train_overhead.py",
@@ -376,8 +377,11 @@ def test_health_train_overhead_smoke_reads_both_shares(tmp_path: Path) -> None:
     assert pair["work_ratio"] == pair["runs"]["--health"]["tokens_per_s"] / idle["tokens_per_s"]
     assert record["split"]["idle_ratio"]["median"] == pair["idle_ratio"]
     assert "idle / no-health" in proc.stdout and "health / idle" in proc.stdout
-    # its senders still time the loop's calls (steps, collective events), fewer beats
+    # its senders still time the loop's calls (steps, collective events), but the
+    # interval reached the ranks: a beat at the start and the last, not one per 0.5 s
     assert idle["health_cost"]["loop_calls"] > 0
+    beats = idle["health_cost"]["heartbeats"], pair["runs"]["--health"]["health_cost"]["heartbeats"]
+    assert beats[0] <= 2 and beats[0] < beats[1], beats
     for flag in ("--health", "--no-health"):
         run = pair["runs"][flag]
         assert run["tokens_per_s"] > 0

@@ -374,7 +374,9 @@ def test_stage1_waits_for_the_current_stream_only(tmp_path: Path) -> None:
             torch.cuda._sleep(10_000_000_000)  # seconds of GPU cycles, off the state's path
             side_done = torch.cuda.Event()
             side_done.record()
-        w.mul_(3)  # current stream
+        # current stream: a stage 1 that did not wait for it would copy w before the mul_
+        torch.cuda._sleep(200_000_000)
+        w.mul_(3)
         handle = ckpt.save(2, {"w": w})
         assert not side_done.query()  # a global synchronize would have waited for it
         handle.wait(timeout=DEADLINE)

@@ -20,7 +20,7 @@ polls, when the busy loops kept the poller from a core) are counted. With
 ``--slow-every S``, a random rank (seeded) is slowed 1.5x for ``--slow-steps`` steps
 every S seconds (the fault tests' ``slow`` fault: before each step it spins for half
 the rest of its last step, in CPU time, as a slower processor would compute longer;
-until 2026-11-27 16:40 UTC the spin counted wall time, which a busy host shortened in
+before commit 2662f98 the spin counted wall time, which a busy host shortened in
 CPU terms, and the README's traces were recorded so); the step it took
 the fault at is read from its ``.taken`` file. Also kept: the driver's own findings in
 that run. Writes JSON to ``--out`` (default

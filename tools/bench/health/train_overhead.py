@@ -16,7 +16,8 @@ to a run, timers included. Without it none of that starts.
 The throughput is the trainer's own (``summary.json``'s ``tokens_per_s``: tokens of
 steps 2..N over the time from step 1 to the end of the loop), so start-up, the
 driver's start and the final checkpoint's write are not in it. Each repetition runs
-the two back to back, alternating which goes first; the headline is the median over
+the two back to back, alternating which goes first (with a third arm, below, the three
+in turn); the headline is the median over
 repetitions of health / no-health within each pair (a busy moment on a shared
 machine slows both runs of a pair alike), with its min-max, the ratio of the medians,
 and a confidence interval of that median (the sign test's, which assumes only that
@@ -279,11 +280,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()
+    idle_text = (
+        ""
+        if args.idle_interval is None
+        else f", and {IDLE!r} (beats and agent reports every {args.idle_interval:g} s)"
+    )
     print(
-        f"ms-train --preset tiny --nproc {args.nproc}, {args.steps} steps; {args.reps} pairs "
-        f"of {ON} / {OFF}, heartbeats every {args.interval:g} s",
+        f"ms-train --preset tiny --nproc {args.nproc}, {args.steps} steps; {args.reps} "
+        f"repetitions of {ON} / {OFF}{idle_text}, heartbeats every {args.interval:g} s",
         flush=True,
     )
+    if args.idle_interval is not None and args.reps % 6:
+        print(f"  note: {args.reps} repetitions are not a multiple of 6: the orders are uneven")
     pairs: list[dict[str, Any]] = []
     # Every order of the arms in turn (2 with two arms, 6 with three), so that each arm
     # runs before and after each other equally often over a multiple of that many reps.
@@ -312,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     ratios = [p["ratio"] for p in pairs]
-    med = {f: statistics.median(p["runs"][f]["tokens_per_s"] for p in pairs) for f in (ON, OFF)}
+    arms_run = list(pairs[0]["runs"])
+    med = {f: statistics.median(p["runs"][f]["tokens_per_s"] for p in pairs) for f in arms_run}
     ratio = statistics.median(ratios)
     low, high, coverage = median_ci(ratios)
     if coverage < 0.95:  # too few pairs for the interval to say anything
@@ -343,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = [p["runs"][ON]["health_cost"] for p in pairs if p["runs"][ON]["health_cost"]]
     share = statistics.median(c["share"] for c in costs) if costs else None
     print("\n| run | tokens/s (median) | min-max |\n|---|---:|---:|")
-    for flag in (ON, OFF):
+    for flag in sorted(arms_run):
         rates = [p["runs"][flag]["tokens_per_s"] for p in pairs]
         print(f"| ms-train {flag} | {med[flag]:.0f} | {min(rates):.0f}-{max(rates):.0f} |")
     print(

@@ -356,6 +356,9 @@ def run_attention(
         if w is None or w < shape[1]
         for d in args.dtypes
     ]
+    dropped = sorted({w for w in windows if w is not None for sh in shapes if w >= sh[1]})
+    if dropped:  # as wide as the sequence: full causal attention again, not a new case
+        print(f"attention: windows {dropped} skipped where they cover the whole sequence")
     records = []
     for i, ((b, s, hq, hkv, d), w, dtype_name) in enumerate(cases):
         label = f"{b}x{s}x{hq}/{hkv}x{d} {'causal' if w is None else f'W={w}'} {dtype_name}"
@@ -477,7 +480,8 @@ def _shapes(size: int, what: str) -> Callable[[str], list[tuple[int, ...]]]:
         shapes = []
         for item in (t.strip() for t in text.split(",")):
             dims = item.split("x")
-            if len(dims) != size or not all(d.isdigit() and int(d) >= 1 for d in dims):
+            whole = all(d.isascii() and d.isdigit() and int(d) >= 1 for d in dims)
+            if len(dims) != size or not whole:
                 raise argparse.ArgumentTypeError(
                     f"must be comma-separated {what} ({size} integers >= 1 joined by x), "
                     f"got {item!r}"
@@ -493,7 +497,7 @@ def _windows(text: str) -> list[int | None]:
     for item in (t.strip() for t in text.split(",")):
         if item == "causal":
             windows.append(None)
-        elif item.isdigit() and int(item) >= 1:
+        elif item.isascii() and item.isdigit() and int(item) >= 1:
             windows.append(int(item))
         else:
             raise argparse.ArgumentTypeError(

@@ -379,6 +379,13 @@ def _rank_main(spec: _RankSpec, conn: multiprocessing.connection.Connection) -> 
                 world_size=spec.world_size,
                 timeout=timedelta(seconds=spec.timeout),
             )
+            # Every rank's group is whole before any rank runs fn: gloo's connection
+            # set-up can still be under way on a slow rank when a fast one has returned
+            # from init, and a fast rank whose fn ends at once would then close its side
+            # under it ("Connection closed by peer" on a loaded machine). Through the
+            # store, so that no collective of the backend under test is issued.
+            store.set(f"ms_testing/ready/{spec.rank}", "1")
+            store.wait([f"ms_testing/ready/{r}" for r in range(spec.world_size)])
         try:
             value = fn(*args, **kwargs)
         finally:

@@ -14,8 +14,8 @@ with the ``Nodes`` of NODE_ARGS_JSON); each rank trains CONFIG with a
 - ``gil:R:K``: rank R enters, at step K and once per job, a C call that holds the GIL
   and never checks for signals (``sum`` over a huge range);
 - ``slow:R:K:F[:N]``: from step K on (for N steps; without N, to the end), rank R's
-  steps take F times as long (it spins for F - 1 times the rest of its last step, in
-  CPU time, as a slower processor would compute longer);
+  steps take F times as long, or longer on a busy host (it spins for F - 1 times the
+  rest of its last step, in CPU time, as a slower processor would compute longer);
   with N, brief jitter;
 - ``mute:R:K``: at step K, once per job, rank R's heartbeat sender thread dies (as an
   uncaught error in it would end it) while the rank trains on;
