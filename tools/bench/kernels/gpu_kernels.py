@@ -15,14 +15,16 @@ without a GPU.
 
 How: one run, candidates side by side. For each case and pass (forward; forward +
 backward, the latter timed as one call of forward then torch.autograd.grad), every
-candidate warms up (Triton and torch.compile compile there), then each repetition
-times every candidate once, the order rotating. Each timed call follows a 256 MiB
-write that evicts L2 (as triton.testing.do_bench does) and is timed between CUDA
-events. Inputs are random normal, never zeros or constants; memory is freed and
-torch.compile's caches are reset between cases. Reported per candidate: median,
-spread (min-max) and t / t_ms, its median over ms-kernels' median (> 1: ms is
-faster). JSON (default bench-results/gpu_kernels-<date>.json) holds the machine,
-versions, parameters and every repetition.
+candidate warms up (Triton and torch.compile compile there), each runs once more
+through the timer untimed (since 2026-11-27's H200 run, whose first repetitions were
+the slowest), then each repetition times every candidate once, the order rotating.
+Each timed call follows a 256 MiB write that evicts L2 (as triton.testing.do_bench
+does) and is timed between CUDA events. Inputs are random normal, never zeros or
+constants; memory is freed and torch.compile's caches are reset between cases.
+Reported per candidate: median, spread (min-max) and t / t_ms, its median over
+ms-kernels' median (> 1: ms is faster). JSON (default
+bench-results/gpu_kernels-<date>.json) holds the machine, versions, parameters and
+every repetition.
 
 Norms and activations: ms-kernels' Triton kernels (backend="triton") vs the torch
 reference with the same semantics in eager mode (ms_kernels.*_reference:
