@@ -214,6 +214,9 @@ def test_a_heartbeat_carries_every_steps_loss_since_the_last_one(
     torch = pytest.importorskip("torch")
     with Heartbeat(driver.url, TOKEN, job="j", interval_s=3600) as hb:
         hb.set_phase("train")
+        # The phase change sends a beat; on a busy machine the sender can collect it
+        # after the first steps, which would then (rightly) ride on it, not on step 5's.
+        latest(recorder, 0, "the train phase", lambda r: r.phase == "train")
         for step in range(5):
             hb.step(step, loss=torch.tensor(2.0 + step))  # a tensor, read on the sender
         hb.step(5)  # no loss: nothing to carry
