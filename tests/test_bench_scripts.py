@@ -114,11 +114,15 @@ def test_gpu_kernels_only_runs_one_section(tmp_path: Path) -> None:
     assert NORMS_TITLE in proc.stdout and ATTENTION_TITLE not in proc.stdout
 
 
-def _run_bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``tools/bench/<script> args`` in ``cwd``, at most 240 s."""
+def _run_bench(
+    script: str, *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``tools/bench/<script> args`` in ``cwd`` (with ``env``, else this process's
+    environment), at most 240 s."""
     return subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench" / script), *args],
         cwd=cwd,
+        env=env,
         capture_output=True,
         text=True,
         timeout=240,
@@ -128,15 +132,7 @@ def _run_bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProces
 
 def test_ckpt_gpu_stall_without_cuda_says_so_and_measures_nothing(tmp_path: Path) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench" / "ckpt" / "gpu_stall.py")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    proc = _run_bench("ckpt/gpu_stall.py", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("no CUDA device"), proc.stdout
     assert not list(tmp_path.rglob("*")), "wrote files without measuring anything"
