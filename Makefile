@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 DIST ?= dist
 BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest pytest-jobs pytest-rest pytest-alone test-one dist bench-optim bench-kernels bench-kernels-gpu bench-data bench-ckpt bench-ckpt-gpu bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health bench-health-overhead bench-health-recovery bench-health-soak bench-health-straggler clean
+.PHONY: run test test-fast lint typecheck pytest pytest-jobs pytest-rest pytest-alone test-one dist bench-optim bench-kernels bench-kernels-gpu bench-attention-tiles bench-data bench-ckpt bench-ckpt-gpu bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health bench-health-overhead bench-health-recovery bench-health-soak bench-health-straggler clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -189,6 +189,10 @@ bench-kill-soak: $(STAMP)
 # Without a CUDA device this prints "no CUDA device" and exits 0, measuring nothing.
 bench-kernels-gpu: $(STAMP)
 	$(BIN)/python tools/bench/kernels/gpu_kernels.py
+
+# Times the Triton attention kernels' launches (tiles, warps, stages) on this GPU.
+bench-attention-tiles: $(STAMP)
+	$(BIN)/python tools/bench/kernels/attention_tiles.py
 
 bench-ckpt-gpu: $(STAMP)
 	$(BIN)/python tools/bench/ckpt/gpu_stall.py

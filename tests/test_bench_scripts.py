@@ -6,6 +6,7 @@ script starts, takes its flags, prints its tables and writes JSON only when it m
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from _workspace import ROOT
 
 GPU_KERNELS = ROOT / "tools" / "bench" / "kernels" / "gpu_kernels.py"
@@ -128,6 +130,52 @@ def _run_bench(
         timeout=240,
         check=False,
     )
+
+
+def _hidden_cuda() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return env | {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_attention_tiles_without_cuda_says_so_and_measures_nothing(tmp_path: Path) -> None:
+    proc = _run_bench("kernels/attention_tiles.py", cwd=tmp_path, env=_hidden_cuda())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("no CUDA device"), proc.stdout
+    assert not list(tmp_path.rglob("*")), "wrote files without measuring anything"
+
+
+def test_attention_tiles_smoke_sweeps_every_kernel_and_writes_nothing(tmp_path: Path) -> None:
+    proc = _run_bench("kernels/attention_tiles.py", "--smoke", cwd=tmp_path, env=_hidden_cuda())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for kernel in ("fwd", "dkdv", "dq"):
+        assert f"## d=16 {kernel}: current 64x64 w4 s1: ok" in proc.stdout, proc.stdout
+        assert f"best {kernel} d=16: " in proc.stdout, proc.stdout
+    assert "wrong" not in proc.stdout and "Error" not in proc.stdout, proc.stdout
+    assert proc.stdout.rstrip().endswith("smoke: not a measurement; no JSON written")
+    assert not list(tmp_path.rglob("*"))
+
+
+def test_attention_tiles_marks_a_launch_whose_results_differ_as_wrong() -> None:
+    # The guard that keeps a fast but wrong launch from winning: the same launch is
+    # "ok" against its own results and "wrong" once the reference is changed.
+    spec = importlib.util.spec_from_file_location(
+        "attention_tiles", ROOT / "tools" / "bench" / "kernels" / "attention_tiles.py"
+    )
+    assert spec is not None and spec.loader is not None
+    tiles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiles)
+    cpu = torch.device("cpu")
+    case = tiles.Case((1, 40, 2, 1, 16), 8, torch.float32, cpu)
+    base = tiles.kernels._block_sizes(16, torch.float32, interpreting=True)
+    tile = tiles.kernels._Tile(16, 32)
+    timer = tiles.Timer(cpu)
+    ok = tiles.time_launch("dkdv", tile, base, [case], timer, cpu, reps=1)
+    assert ok["status"] == "ok", ok
+    dq, dk, dv = case.grads
+    case.grads = (dq, dk * 1.05, dv)
+    wrong = tiles.time_launch("dkdv", tile, base, [case], timer, cpu, reps=1)
+    assert wrong["status"].startswith("wrong: relative error 4.76e-02"), wrong  # 0.05 / 1.05
+    assert tiles.score(wrong, ok) is None
 
 
 def test_ckpt_gpu_stall_without_cuda_says_so_and_measures_nothing(tmp_path: Path) -> None:

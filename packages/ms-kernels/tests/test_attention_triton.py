@@ -179,7 +179,9 @@ def _check(
 @contextmanager
 def _tiles(fwd: tuple[int, int], dkdv: tuple[int, int], dq: tuple[int, int]) -> Iterator[None]:
     """Runs the kernels with these (BLOCK_M, BLOCK_N) tiles instead of the default ones."""
-    blocks = kernels._Blocks(fwd=fwd, dkdv=dkdv, dq=dq, num_warps=4, num_stages=1)
+    blocks = kernels._Blocks(
+        fwd=kernels._Tile(*fwd), dkdv=kernels._Tile(*dkdv), dq=kernels._Tile(*dq)
+    )
     with mock.patch.object(kernels, "_block_sizes", return_value=blocks):
         yield
 
@@ -302,7 +304,7 @@ def test_gpu_tile_choice(check_close: Any, d: int, dtype: torch.dtype) -> None:
     # The tiles chosen for CUDA, run in the interpreter: (128, 64), (32, 32), (64, 32)...
     gpu = kernels._block_sizes(d, dtype, interpreting=False)
     inputs = _inputs(1, 150, 110, 2, 1, d, dtype, seed=d)
-    with _tiles(gpu.fwd, gpu.dkdv, gpu.dq):
+    with _tiles(*((t.block_m, t.block_n) for t in (gpu.fwd, gpu.dkdv, gpu.dq))):
         _check(check_close, inputs, 40, 0, d**-0.5, label=f"gpu tiles d={d}")
 
 

@@ -489,39 +489,72 @@ def _bwd_kernel(  # type: ignore[no-untyped-def]
 
 
 @dataclass(frozen=True)
-class _Blocks:
-    """Tile sizes and launch options of the three main kernels."""
+class _Tile:
+    """One kernel's launch: (BLOCK_M, BLOCK_N) and its warps and pipeline stages."""
 
-    fwd: tuple[int, int]
-    """(BLOCK_M, BLOCK_N) of the forward."""
-    dkdv: tuple[int, int]
-    """(BLOCK_M, BLOCK_N) of the dK/dV kernel: BLOCK_N keys per program, BLOCK_M queries a step."""
-    dq: tuple[int, int]
-    """(BLOCK_M, BLOCK_N) of the dQ kernel."""
-    num_warps: int
-    num_stages: int
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """The launches of the three main kernels."""
+
+    fwd: _Tile
+    """The forward: BLOCK_M queries per program, BLOCK_N keys a step."""
+    dkdv: _Tile
+    """The dK/dV kernel: BLOCK_N keys per program, BLOCK_M queries a step."""
+    dq: _Tile
+    """The dQ kernel: BLOCK_M queries per program, BLOCK_N keys a step (its BLOCK_M is
+    also the preprocessing kernel's)."""
 
 
 def _block_sizes(head_dim: int, dtype: torch.dtype, interpreting: bool) -> _Blocks:
     """Tile sizes for inputs of ``dtype`` and ``head_dim``; the one place they are chosen.
 
-    GPU values: FlashAttention-2's usual 128 x 64 forward tiles, smaller backward tiles
-    (the dK/dV program keeps K, V, dK and dV tiles live across its loops). They have not
-    been timed on a GPU here; they were compiled for sm_90 with this Triton and picked
-    to keep register spills near zero (ptxas: 24 bytes in the forward at D > 64, 144 in
-    fp32's dK/dV at D > 64, none elsewhere). fp32 uses exact fp32 dots, which run on
-    FMA units rather than tensor cores and need far more registers: hence its small tiles.
+    GPU values for fp16 and bf16 come from ``tools/bench/kernels/attention_tiles.py``,
+    which times every kernel over a grid of tiles, warps and stages on the device at
+    hand (see the ``_TUNED`` notes). fp32 uses exact fp32 dots, which run on FMA units
+    rather than tensor cores and need far more registers: hence its small tiles, which
+    were compiled for sm_90 and picked to keep register spills near zero, not timed.
     """
     if interpreting:
         # Interpreted cost is per program and per op, nearly flat in tile size: 64 x 64
         # tiles ran the tests' shapes (S <= ~100) 2-3x faster than 32 x 32 and 5x faster
         # than 16 x 16. Tests patch in smaller and uneven tiles where they need many blocks.
-        return _Blocks(fwd=(64, 64), dkdv=(64, 64), dq=(64, 64), num_warps=4, num_stages=1)
+        tile = _Tile(64, 64)
+        return _Blocks(fwd=tile, dkdv=tile, dq=tile)
     if dtype == torch.float32:
-        return _Blocks(fwd=(32, 32), dkdv=(32, 32), dq=(32, 32), num_warps=8, num_stages=2)
+        tile = _Tile(32, 32, num_warps=8, num_stages=2)
+        return _Blocks(fwd=tile, dkdv=tile, dq=tile)
     if head_dim <= 64:
-        return _Blocks(fwd=(128, 64), dkdv=(64, 64), dq=(64, 64), num_warps=8, num_stages=3)
-    return _Blocks(fwd=(128, 64), dkdv=(32, 32), dq=(64, 32), num_warps=8, num_stages=2)
+        return _TUNED[64]
+    return _TUNED[128]
+
+
+_TUNED = {
+    # The same sweep at head dim 64, cut short by its time budget (each kernel saw its
+    # first 8-12 candidates): against 128x64, 64x64, 64x64 with 8 warps and 3 stages,
+    # the forward takes 0.83x, dK/dV 0.65x, dQ 0.81x.
+    64: _Blocks(
+        fwd=_Tile(64, 64, num_warps=4, num_stages=3),
+        dkdv=_Tile(64, 64, num_warps=4, num_stages=3),
+        dq=_Tile(64, 32, num_warps=4, num_stages=2),
+    ),
+    # Swept on an H200 (torch 2.11, Triton 3.6; bf16, 4 x 4096 x 32/8 heads, causal and a
+    # window of 512): against the launches before (128x64, 32x32, 64x32, all 8 warps and
+    # 2 stages) the forward takes 0.80x the time, the dK/dV kernel 0.52x, dQ 0.87x.
+    # Four warps won every kernel; a 128-key dK/dV home with 8 warps and 3 stages gave
+    # wrong gradients (relative error 1.4-2.4e-2) and is not used.
+    128: _Blocks(
+        fwd=_Tile(64, 64, num_warps=4, num_stages=3),
+        dkdv=_Tile(64, 64, num_warps=4, num_stages=2),
+        dq=_Tile(64, 64, num_warps=4, num_stages=2),
+    ),
+}
+"""fp16 / bf16 launches on a GPU by head dim (<= 64, <= 128)."""
 
 
 def _head_block(head_dim: int) -> int:
@@ -574,8 +607,8 @@ def attention_forward(
     if sk == 0:  # no keys at all: every query is empty
         return out.zero_().to(q.dtype), lse.fill_(math.inf)
     blocks = _block_sizes(head_dim, q.dtype, _interpreting())
-    block_m, block_n = blocks.fwd
-    grid = (triton.cdiv(sq, block_m), batch * hq)
+    tile = blocks.fwd
+    grid = (triton.cdiv(sq, tile.block_m), batch * hq)
     _fwd_kernel[grid](
         q,
         k,
@@ -595,13 +628,13 @@ def attention_forward(
         left,
         right,
         scale * _LOG2E,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
         BLOCK_D=block_d,
         UPCAST=upcast,
         DOT_PRECISION=precision,
-        num_warps=blocks.num_warps,
-        num_stages=blocks.num_stages,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return out.to(q.dtype), lse
 
@@ -636,7 +669,7 @@ def attention_backward(
         return dq.zero_().to(q.dtype), dk.zero_().to(k.dtype), dv.zero_().to(v.dtype)
     blocks = _block_sizes(head_dim, q.dtype, _interpreting())
     delta = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
-    pre_m = blocks.dq[0]
+    pre_m = blocks.dq.block_m
     _bwd_preprocess_kernel[(triton.cdiv(sq, pre_m), batch * hq)](
         out,
         dout,
@@ -650,25 +683,21 @@ def attention_backward(
         BLOCK_D=block_d,
     )
     sizes = (sq, sk, hq, hq // hkv, head_dim, left, right, scale, scale * _LOG2E)
-    options = {
-        "BLOCK_D": block_d,
-        "UPCAST": upcast,
-        "DOT_PRECISION": precision,
-        "num_warps": blocks.num_warps,
-        "num_stages": blocks.num_stages,
-    }
-    block_m, block_n = blocks.dkdv
-    _bwd_kernel[(triton.cdiv(sk, block_n), batch * hkv)](
+    options = {"BLOCK_D": block_d, "UPCAST": upcast, "DOT_PRECISION": precision}
+    tile = blocks.dkdv
+    _bwd_kernel[(triton.cdiv(sk, tile.block_n), batch * hkv)](
         k, v, q, dout, lse, delta, dk, dv,
         *dk.stride(), *k.stride(), *v.stride(), *q.stride(), *dout.stride(), *lse.stride(),
         hkv, *sizes,
-        BLOCK_HOME=block_n, BLOCK_VISIT=block_m, KEY_HOME=True, **options,
+        BLOCK_HOME=tile.block_n, BLOCK_VISIT=tile.block_m, KEY_HOME=True,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **options,
     )  # fmt: skip
-    block_m, block_n = blocks.dq
-    _bwd_kernel[(triton.cdiv(sq, block_m), batch * hq)](
+    tile = blocks.dq
+    _bwd_kernel[(triton.cdiv(sq, tile.block_m), batch * hq)](
         q, dout, k, v, lse, delta, dq, dq,  # GY: unused by the dQ kernel
         *dq.stride(), *q.stride(), *dout.stride(), *k.stride(), *v.stride(), *lse.stride(),
         hq, *sizes,
-        BLOCK_HOME=block_m, BLOCK_VISIT=block_n, KEY_HOME=False, **options,
+        BLOCK_HOME=tile.block_m, BLOCK_VISIT=tile.block_n, KEY_HOME=False,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **options,
     )  # fmt: skip
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
