@@ -301,7 +301,7 @@ def test_window_edges_on_block_edges(check_close: Any, tile_m: int, tile_n: int)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_tile_choice(check_close: Any, d: int, dtype: torch.dtype) -> None:
-    # The tiles chosen for CUDA, run in the interpreter: (128, 64), (32, 32), (64, 32)...
+    # The tiles chosen for CUDA (_TUNED; fp32 its own), run in the interpreter.
     gpu = kernels._block_sizes(d, dtype, interpreting=False)
     inputs = _inputs(1, 150, 110, 2, 1, d, dtype, seed=d)
     with _tiles(*((t.block_m, t.block_n) for t in (gpu.fwd, gpu.dkdv, gpu.dq))):
