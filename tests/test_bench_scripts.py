@@ -483,7 +483,7 @@ def test_health_straggler_trace_replays_a_trace_under_each_setting(tmp_path: Pat
     """A made trace of 4 ranks on 50 ms steps: rank 1 at 1.4x its peers' CPU time from
     step 10 to 40, 2.4 ms of the step (a shared core); rank 3 spinning 25 ms more per
     step from step 60 to 90 (the slow fault). The floor on the slowdown keeps rank 1
-    quiet; both settings flag rank 3, within 10 steps of its first slow step."""
+    quiet; every setting flags rank 3, within 10 steps of its first slow step."""
     from ms_health.record import HeartbeatRecord
 
     beats = []
@@ -518,9 +518,12 @@ def test_health_straggler_trace_replays_a_trace_under_each_setting(tmp_path: Pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     # rank 1's excess is 4.8% of the step in every window: a floor of 4.8% still
     # counts its strikes (the floor is reached), the next 0.1% silences it
+    # (no wait_s in these heartbeats: CPU time counts as wall time, at rate 1)
+    assert "| 1.35 | 3 | 0.25 | 1 | 0 (-) | 4.9% | 8 |" in proc.stdout, proc.stdout
     assert "| 1.35 | 3 | 0.1 | 1 | 0 (-) | 4.9% | 8 |" in proc.stdout, proc.stdout
     assert "| 1.35 | 3 | 0 | 2 | 1 (4.8%) | 4.9% | 8 |" in proc.stdout, proc.stdout
-    floor, none = json.loads(out.read_text())[str(path)]
+    default, floor, none = json.loads(out.read_text())[str(path)]
+    assert default["episodes"] == floor["episodes"]
     assert floor["silencing_floor"] == none["silencing_floor"] == pytest.approx(0.049)
     assert [e["rank"] for e in floor["episodes"]] == [3]
     assert 0 < floor["slowed"][0]["after_steps"] < 10

@@ -212,6 +212,8 @@ def test_a_bad_straggler_state_is_refused_naming_the_field(state: Any, field: st
         ({"min_excess_s": -1.0}, "min_excess_s"),
         ({"min_slowdown": -0.1}, "min_slowdown"),
         ({"min_slowdown": 1.0}, "min_slowdown"),
+        ({"min_cpu_slowdown": -0.1}, "min_cpu_slowdown"),
+        ({"min_cpu_slowdown": 1.0}, "min_cpu_slowdown"),
     ],
 )
 def test_bad_straggler_arguments_are_refused_naming_them(
@@ -331,7 +333,7 @@ def test_a_rank_busier_by_a_small_share_of_the_step_is_no_straggler() -> None:
 
     assert all(f == [] for f in _small_share_job(Straggler(), shared).values())
     # The share is what keeps it quiet: with no floor, it is flagged.
-    loud = first_finding(_small_share_job(Straggler(min_slowdown=0.0), shared))
+    loud = first_finding(_small_share_job(Straggler(min_cpu_slowdown=0.0), shared))
     assert loud is not None and loud[1].ranks == (1,)
     assert loud[1].evidence["slowdown"]["1"] == pytest.approx(0.0024 / 0.0524, abs=1e-4)
 
@@ -361,25 +363,30 @@ def _one_window_pair(
 
 def test_an_excess_of_exactly_the_floor_is_a_strike_and_below_it_is_not() -> None:
     # 0.5 s over the peer in a 1 s step is half of it (binary fractions: no rounding).
-    at = _one_window_pair(Straggler(windows=2, min_slowdown=0.5), 0.75, 1.0, peer=0.25)
+    # CPU figures meet min_cpu_slowdown; min_slowdown is for wall-clock figures.
+    def cpu(floor: float) -> Straggler:
+        return Straggler(windows=2, min_slowdown=0.9, min_cpu_slowdown=floor)
+
+    at = _one_window_pair(cpu(0.5), 0.75, 1.0, peer=0.25)
     assert at and at[0].ranks == (0,)
     assert "(threshold 1.25x and 50% of the step)" in at[0].message
-    assert _one_window_pair(Straggler(windows=2, min_slowdown=0.5001), 0.75, 1.0, peer=0.25) == []
+    assert at[0].evidence["min_slowdown"] == 0.5 and at[0].evidence["cpu_rate"] == 1.0
+    assert _one_window_pair(cpu(0.5001), 0.75, 1.0, peer=0.25) == []
 
 
 def test_a_step_time_of_zero_or_no_floor_leaves_the_ratio_alone() -> None:
-    for det in (Straggler(windows=2), Straggler(windows=2, min_slowdown=0.0)):
+    for det in (Straggler(windows=2), Straggler(windows=2, min_cpu_slowdown=0.0)):
         zero = _one_window_pair(det, 0.03, 0.0)
         assert zero and zero[0].ranks == (0,)
         assert zero[0].evidence["slowdown"] == {}  # no share of a step of no time
         assert "0 (3.00x)" in zero[0].message
-    off = _one_window_pair(Straggler(windows=2, min_slowdown=0.0), 0.03, 0.1)[0]
+    off = _one_window_pair(Straggler(windows=2, min_cpu_slowdown=0.0), 0.03, 0.1)[0]
     assert off.message.endswith("(threshold 1.25x)"), off.message
 
 
 def test_a_flagged_rank_that_misses_a_window_shows_no_report() -> None:
     det = Straggler(windows=2)
-    _one_window_pair(det, 0.03, 0.1)
+    _one_window_pair(det, 0.04, 0.1)  # 0.03 s over its peer: 30% of the step
     assert det.strikes == {0: 3}
     # Rank 0 goes quiet for a window; ranks 1 and 2 report it.
     for step in range(12, 17):  # the window of steps 12-14 closes at step 16
@@ -387,3 +394,63 @@ def test_a_flagged_rank_that_misses_a_window_shows_no_report() -> None:
             det.observe(_on_cpu(r, step, 0.1, 0.01), float(step))
     found = det.check(20.0)
     assert found and found[0].ranks == (0,) and "rank(s) 0 (no report) busier" in found[0].message
+
+
+def _busy_host_job(det: Straggler, rate: float, waits: bool) -> dict[int, list[Finding]]:
+    """4 ranks on a host whose other work leaves each loop ``rate`` CPU seconds per wall
+    second: 5 ms of CPU per step (``5 / rate`` ms of wall time), then 10 ms in the
+    collectives. From step 20 on rank 3 adds half the rest of the step in CPU work, as
+    ms-testing's ``slow`` fault does, which takes ``1 / rate`` times as long in wall
+    time: every rank's step becomes 1.5x as long at rate 1, 3.5x at rate 0.2; the
+    others wait for it. ``waits``: whether heartbeats carry ``wait_s``."""
+    out = {}
+    own = 0.005 / rate  # wall time of a rank's own work
+    for step in range(60):
+        extra_cpu = 0.5 * (own + 0.01) if step >= 20 else 0.0
+        step_time = own + 0.01 + extra_cpu / rate
+        for r in range(4):
+            cpu = 0.005 + (extra_cpu if r == 3 else 0.0)
+            wait = step_time - (own + (extra_cpu / rate if r == 3 else 0.0))
+            rec = attrs.evolve(_on_cpu(r, step, step_time, cpu), wait_s=wait if waits else None)
+            det.observe(rec, float(step))
+        out[step] = det.check(step + 0.5)
+    return out
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.5, 0.2, 0.1])
+def test_a_cpu_straggler_is_judged_by_the_wall_time_its_excess_costs_however_busy_the_host(
+    rate: float,
+) -> None:
+    # Its excess costs 0.5 / (rate + 0.5) of the step in wall time (a third at rate 1,
+    # 71% at 0.2), but is only 0.5 rate / (rate + 0.5) of it in CPU time (14% at rate
+    # 0.2, 8% at 0.1: under the floor of 25% unconverted).
+    hit = first_finding(_busy_host_job(Straggler(windows=3), rate, waits=True))
+    assert hit is not None and hit[1].ranks == (3,) and hit[0] - 20 <= 11, hit
+    evidence = hit[1].evidence
+    assert evidence["cpu_rate"] == pytest.approx(rate, rel=1e-3)
+    cost = 0.5 / (rate + 0.5)
+    assert evidence["slowdown"]["3"] == pytest.approx(cost, abs=1e-4)
+    assert f"+{cost:.0%} of the step" in hit[1].message
+
+
+def test_without_waits_cpu_time_is_taken_as_wall_time() -> None:
+    # The same job at rate 0.2 without wait_s: no rate to convert with, so its CPU
+    # excess counts as wall time, a seventh of the step, under the CPU floor of 25%
+    # (the limit this conversion removes where waits are reported); at rate 1 it is a
+    # third, and flagged.
+    assert all(f == [] for f in _busy_host_job(Straggler(windows=3), 0.2, waits=False).values())
+    hit = first_finding(_busy_host_job(Straggler(windows=3), 1.0, waits=False))
+    assert hit is not None and hit[1].evidence["cpu_rate"] == 1.0
+
+
+def test_wall_clock_figures_keep_their_own_floor() -> None:
+    # Busy time (a GPU rank's figure) is wall time already: no conversion, and the
+    # floor is min_slowdown. Rank 2 at 1.5x of a 0.1 s busy time in a step of 0.16 s:
+    # its excess is 0.05 / 0.16 = 31% of the step.
+    def job(det: Straggler) -> Finding | None:
+        hit = first_finding(sync_steps(det, range(40), slowed(2, 10)))
+        return None if hit is None else hit[1]
+
+    found = job(Straggler(min_slowdown=0.3, min_cpu_slowdown=0.9))
+    assert found is not None and found.ranks == (2,) and found.evidence["cpu_rate"] == 1.0
+    assert job(Straggler(min_slowdown=0.32, min_cpu_slowdown=0.0)) is None

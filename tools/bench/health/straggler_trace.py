@@ -27,9 +27,11 @@ that run. Writes JSON to ``--out`` (default
 ``bench-results/health/straggler_trace.json``).
 
 **replay**: each trace's heartbeats, in the order they were seen, through a fresh
-``Straggler(threshold=, windows=, window_steps=3, min_slowdown=)`` per ``--setting``
-(default: ``default_detectors``' setting with and without the slowdown floor,
-``1.35:3:0.1`` and ``1.35:3:0``), checked after each heartbeat. Per setting: the
+``Straggler(threshold=, windows=, window_steps=3, min_slowdown=, min_cpu_slowdown=)``
+per ``--setting``, whose MIN_SLOWDOWN sets both floors (the traces' ranks train on
+the CPU, so ``min_cpu_slowdown`` is the one that acts; default: ``default_detectors``'
+setting, 0.4.1's floor, and none: ``1.35:3:0.25``, ``1.35:3:0.1`` and ``1.35:3:0``),
+checked after each heartbeat. Per setting: the
 findings as episodes (a rank flagged after a check that did not flag it, until a check
 does not), each with its first window's steps and the largest score and slowdown
 (excess over the peers' median, as a share of the step time) of its windows; per
@@ -79,7 +81,7 @@ from ms_testing.jobs import wait_gone
 from ms_testing.progress import Progress
 
 WINDOW_STEPS = 3
-DEFAULT_SETTINGS = ("1.35:3:0.1", "1.35:3:0")
+DEFAULT_SETTINGS = ("1.35:3:0.25", "1.35:3:0.1", "1.35:3:0")
 SLOW_FACTOR = 1.5
 #: No slow fault is filed in the recording's last seconds: a rank must take it.
 LAST_FAULT_S = 10.0
@@ -184,6 +186,7 @@ def parse_setting(text: str) -> tuple[float, int, float]:
     threshold, windows, min_slowdown = setting
     # Straggler's own checks, with its words (names the bad field)
     Straggler(threshold=threshold, windows=windows, min_slowdown=min_slowdown)
+    Straggler(threshold=threshold, windows=windows, min_cpu_slowdown=min_slowdown)
     return setting
 
 
@@ -196,6 +199,7 @@ def replay(trace: dict[str, Any], setting: tuple[float, int, float]) -> dict[str
         windows=windows,
         window_steps=WINDOW_STEPS,
         min_slowdown=min_slowdown,
+        min_cpu_slowdown=min_slowdown,
     )
     episodes: list[dict[str, Any]] = []
     open_: dict[int, dict[str, Any]] = {}  # rank -> its episode while it stays flagged

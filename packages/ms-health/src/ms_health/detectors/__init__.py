@@ -67,11 +67,11 @@ def default_detectors(interval_s: float, *, world_size: int | None = None) -> li
       5 consecutive steps and 30 s, after 10 (4 ranks sharing 2 cores with two busy
       processes dipped to 0.69x for 5 steps, a few seconds, in a 10-minute soak).
     - :class:`Straggler`: busy time above 1.35 x the peers' median, and at least 10%
-      of the step time above it, in 3 consecutive windows of 3 steps: a rank that
-      makes the job's steps 1.5x as long is flagged within 10 steps, while a rank
-      that shares its cores with other processes, whose CPU time per step rose by
-      under 7% of the step over 3 windows in a row in the recorded runs, is not
-      (``Straggler``).
+      of the step time above it (25% for CPU time, counted in the wall time it
+      costs), in 3 consecutive windows of 3 steps: a rank that makes the job's steps
+      1.5x as long is flagged within 10 steps, while a rank that shares its cores
+      with other processes, whose CPU time per step cost under 20% of the step over
+      3 windows in a row in the recorded runs, is not (``Straggler``).
     """
     interval = number("interval_s", interval_s, low=0.0)
     return [
@@ -80,5 +80,5 @@ def default_detectors(interval_s: float, *, world_size: int | None = None) -> li
         NonFiniteLoss(),
         LossSpike(),
         ThroughputDrop(min_duration_s=30.0),
-        Straggler(threshold=1.35, windows=3, min_slowdown=0.1),
+        Straggler(threshold=1.35, windows=3, min_slowdown=0.1, min_cpu_slowdown=0.25),
     ]

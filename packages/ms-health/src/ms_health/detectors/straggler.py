@@ -5,6 +5,7 @@ not at one sample)."""
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,20 +57,31 @@ class Straggler:
     steps may bring only one or two, and then one decides); its score is that figure over
     the median of the other ranks' figures. A strike needs three things: a score above
     ``threshold``; an excess over the peers' median above ``min_excess_s`` (timer
-    noise of sub-millisecond steps is no straggler); and an excess of at least
-    ``min_slowdown`` of the rank's step time (the median of its ``step_time_s`` in the
-    window). The last is what the excess costs the job: its peers wait that long for
-    the rank at every step. A ratio alone overstates a figure that is a small part of
-    the step: on 4 ranks sharing 2 cores with two busy processes, the loop thread ran
-    6 ms of CPU per 50 ms step, and which rank shared a core moved every second or so,
-    lifting one rank's CPU time to 1.4-1.7x its peers' for 20 steps at a time, yet by
-    under 7% of the step over 3 windows in a row (recorded and replayed by
-    ``tools/bench/health/straggler_trace.py``). A rank that makes the step 1.5x as
-    long costs a third of it. ``min_slowdown=0`` turns the floor off, as does a step
-    time of 0.
+    noise of sub-millisecond steps is no straggler); and an excess of at least a floor
+    share of the rank's step time (the median of its ``step_time_s`` in the window).
+    The floor is what the excess costs the job: its peers wait that long for the rank
+    at every step. A ratio alone overstates a figure that is a small part of the step.
+
+    Busy time is wall time, and its floor is ``min_slowdown``. CPU time is converted
+    first: a second of CPU costs the job 1 / rate seconds of wall time, where the rate
+    is the CPU time a rank's loop gets per wall second while not waiting for its peers
+    (the median over the window's ranks, ``step_cpu_s / (step_time_s - wait_s)``, at
+    most 1; 1 where no heartbeat carries ``wait_s``). Without it, the floor would
+    depend on how busy the host is: on a host where other work leaves a rank a fifth
+    of a core, a rank that makes the job's steps 1.5x as long spends 0.5 x the rest of
+    the step in CPU work, which takes over two thirds of the step in wall time yet is
+    only a seventh of it in CPU time. The floor for CPU figures is
+    ``min_cpu_slowdown``, higher than ``min_slowdown`` because a shared CPU moves
+    them more: on 4 ranks sharing 2 cores with two to six busy processes, which rank
+    shared a core moved every second or so, lifting one rank's CPU time to 1.4-2.2x
+    its peers' for 20 steps at a time, by up to 16.5-19.8% of the step in wall time
+    over 3 windows in a row (recorded and replayed by
+    ``tools/bench/health/straggler_trace.py``), where slowed ranks stood at 29-50%
+    (the 5th percentile of their windows). A rank that makes the step 1.5x as long
+    costs a third of it. A floor of 0 turns it off, as does a step time of 0.
 
     Any other window clears the rank's strikes; a window the rank did not report in
-    leaves them as they are. With the defaults (3 steps, 2 windows, 1.25, 0.1) a rank
+    leaves them as they are. With the defaults (3 steps, 2 windows, 1.25, 0.1, 0.25) a rank
     that makes the job's steps 1.5x as long from step s on is flagged once the job
     reports step s + 8 at the latest (when every step is reported), and a run of up to
     3 slow steps is never flagged. A flagged rank is reported on every check until a
@@ -84,6 +96,7 @@ class Straggler:
         threshold: float = 1.25,
         min_excess_s: float = 0.001,
         min_slowdown: float = 0.1,
+        min_cpu_slowdown: float = 0.25,
         measure: str = "auto",
         name: str = "straggler",
     ) -> None:
@@ -95,17 +108,19 @@ class Straggler:
         self.windows = integer("windows", windows, low=1)
         self.threshold = number("threshold", threshold, low=1.0)
         self.min_excess_s = number("min_excess_s", min_excess_s, low=0.0, strict=False)
-        self.min_slowdown = number("min_slowdown", min_slowdown, low=0.0, strict=False)
-        if self.min_slowdown >= 1.0:
-            raise ValueError(
-                f"min_slowdown must be below 1 (a share of the step time), got {min_slowdown!r}"
-            )
+        self.min_slowdown = _share("min_slowdown", min_slowdown)
+        self.min_cpu_slowdown = _share("min_cpu_slowdown", min_cpu_slowdown)
         # A window is complete once some rank is one step into the one after the next
         # window's start: ranks of a synchronous job are within a step of each other.
-        # (figure, step time) per rank and step
-        self._bins: StepBins[tuple[float, float]] = StepBins(width=self.window_steps, lag=1)
+        # (figure, step time, whether the figure is CPU time, the wall time not spent
+        # waiting if the heartbeat says how long it waited) per rank and step
+        self._bins: StepBins[tuple[float, float, bool, float | None]] = StepBins(
+            width=self.window_steps, lag=1
+        )
         self._strikes: dict[int, int] = {}
         self._scores: dict[int, float] = {}
+        # Per rank, its last windows' verdicts, shown with a finding: why it came when it did.
+        self._recent: dict[int, deque[list[Any]]] = {}
         self._outbox = Outbox()
 
     @property
@@ -121,33 +136,52 @@ class Straggler:
     def observe(self, record: HeartbeatRecord, now: float) -> None:
         if record.phase != "train" or record.step is None or record.step_time_s is None:
             return
-        busy = self._figure(record)
-        if busy is None:
+        figure, on_cpu = self._figure(record)
+        if figure is None:
             return
-        added = self._bins.add(record.rank, record.pid, record.step, (busy, record.step_time_s))
+        wall = None if record.wait_s is None else max(0.0, record.step_time_s - record.wait_s)
+        added = self._bins.add(
+            record.rank, record.pid, record.step, (figure, record.step_time_s, on_cpu, wall)
+        )
         if added.rewound:
             self._forget_live()
         for window, per_rank in added.closed:
             self._judge(window, per_rank, now)
 
-    def _figure(self, record: HeartbeatRecord) -> float | None:
-        """The rank's figure for its last step under :attr:`measure`."""
+    def _figure(self, record: HeartbeatRecord) -> tuple[float | None, bool]:
+        """The rank's figure for its last step under :attr:`measure`, and whether it is
+        CPU time."""
         on_cpu = record.step_cpu_s is not None and "gpu_model" not in record.hardware
         if self.measure == "cpu" or (self.measure == "auto" and on_cpu):
-            return record.step_cpu_s
+            return record.step_cpu_s, True
         assert record.step_time_s is not None
-        return max(0.0, record.step_time_s - (record.wait_s or 0.0))
+        return max(0.0, record.step_time_s - (record.wait_s or 0.0)), False
 
     def _judge(
-        self, window: int, per_rank: Mapping[int, Sequence[tuple[float, float]]], now: float
+        self,
+        window: int,
+        per_rank: Mapping[int, Sequence[tuple[float, float, bool, float | None]]],
+        now: float,
     ) -> None:
-        figures, steps = {}, {}
+        figures, steps, rates, cpu = {}, {}, [], True
         for rank, values in per_rank.items():
             if values:
                 figures[rank] = median([v[0] for v in values])
                 steps[rank] = median([v[1] for v in values])
+                cpu = cpu and all(v[2] for v in values)
+                walls = [v[3] for v in values if v[3] is not None]
+                if len(walls) == len(values) and median(walls) > 0.0:
+                    rates.append(figures[rank] / median(walls))
         if len(figures) < 2:
             return  # no peers to compare with
+        # Figures in CPU time: the CPU seconds a rank's loop gets per wall second while
+        # it does not wait for its peers (the median over the ranks that report their
+        # waits; at most 1) turns an excess of CPU time into the wall time it costs.
+        # Figures in wall time, or no waits reported: 1.
+        rate = min(1.0, median(rates)) if cpu and rates else 1.0
+        if rate <= 0.0:
+            rate = 1.0
+        floor = self.min_cpu_slowdown if cpu else self.min_slowdown
         ordered = sorted(figures.values())
         scores: dict[int, float] = {}
         peers: dict[int, float] = {}
@@ -160,9 +194,14 @@ class Straggler:
             slow = (
                 busy / peer > self.threshold
                 and excess > self.min_excess_s
-                and excess >= self.min_slowdown * steps[rank]
+                and excess / rate >= floor * steps[rank]
             )
             self._strikes[rank] = self._strikes.get(rank, 0) + 1 if slow else 0
+            share = excess / rate / steps[rank] if steps[rank] > 0.0 else None
+            recent = self._recent.setdefault(rank, deque(maxlen=self.windows + 3))
+            recent.append([window * self.window_steps, round(busy / peer, 4),
+                           None if share is None else round(share, 4), len(per_rank[rank]),
+                           slow])  # fmt: skip
         self._scores = scores
         flagged = sorted(r for r, n in self._strikes.items() if n >= self.windows)
         if not flagged:
@@ -170,8 +209,8 @@ class Straggler:
             return
         first, last = window * self.window_steps, (window + 1) * self.window_steps - 1
         by_score = sorted(scores, key=lambda r: -scores[r])
-        shown = ", ".join(_shown(r, scores, figures, peers, steps) for r in flagged)
-        floor = f" and {self.min_slowdown * 100:g}% of the step" if self.min_slowdown else ""
+        shown = ", ".join(_shown(r, scores, figures, peers, steps, rate) for r in flagged)
+        floor_text = f" and {floor * 100:g}% of the step" if floor else ""
         self._outbox.put(
             _KEY,
             Finding(
@@ -182,12 +221,12 @@ class Straggler:
                     f"rank(s) {shown} busier per step ({self.measure} time) than their "
                     "peers' median in "
                     f"{self.windows}+ consecutive windows of {self.window_steps} steps, "
-                    f"last steps {first}-{last} (threshold {self.threshold:g}x{floor})"
+                    f"last steps {first}-{last} (threshold {self.threshold:g}x{floor_text})"
                 ),
                 evidence={
                     "steps": [first, last],
                     "threshold": self.threshold,
-                    "min_slowdown": self.min_slowdown,
+                    "min_slowdown": floor,
                     "windows": self.windows,
                     "window_steps": self.window_steps,
                     "measure": self.measure,
@@ -195,14 +234,23 @@ class Straggler:
                     "busy_s": listed({r: round(figures[r], 6) for r in flagged if r in figures}),
                     "peer_median_s": listed({r: round(peers[r], 6) for r in flagged if r in peers}),
                     "step_s": listed({r: round(steps[r], 6) for r in flagged if r in steps}),
+                    "cpu_rate": round(rate, 4),
                     "slowdown": listed(
                         {
-                            r: round((figures[r] - peers[r]) / steps[r], 4)
+                            r: round((figures[r] - peers[r]) / rate / steps[r], 4)
                             for r in flagged
                             if r in peers and steps[r] > 0.0
                         }
                     ),
                     "strikes": listed({r: self._strikes[r] for r in flagged}),
+                    # [first step, score, excess / step, heartbeats, strike] per window
+                    "recent_windows": listed(
+                        {
+                            r: [list(w) for w in self._recent[r]]
+                            for r in flagged
+                            if r in self._recent
+                        }
+                    ),
                     "ranks_scored": len(scores),
                 },
                 at=now,
@@ -216,6 +264,7 @@ class Straggler:
     def _forget_live(self) -> None:
         self._strikes.clear()
         self._scores.clear()
+        self._recent.clear()
         self._outbox.drop_all()
 
     def reset(self, ranks: tuple[int, ...] | None = None) -> None:
@@ -227,6 +276,7 @@ class Straggler:
         for rank in chosen:
             self._strikes.pop(rank, None)
             self._scores.pop(rank, None)
+            self._recent.pop(rank, None)
         if self._outbox.keys():
             kept = tuple(r for r in self._outbox[_KEY].ranks if r not in chosen)
             if kept:
@@ -253,6 +303,13 @@ class Straggler:
         self._strikes = strikes
 
 
+def _share(name: str, value: float) -> float:
+    checked = number(name, value, low=0.0, strict=False)
+    if checked >= 1.0:
+        raise ValueError(f"{name} must be below 1 (a share of the step time), got {value!r}")
+    return checked
+
+
 def _median_without(ordered: Sequence[float], value: float) -> float:
     """The median of sorted ``ordered`` without one occurrence of ``value`` (in
     O(log n) rather than a sort per rank: a window of 1,000 ranks scores each)."""
@@ -272,6 +329,7 @@ def _shown(
     figures: Mapping[int, float],
     peers: Mapping[int, float],
     steps: Mapping[int, float],
+    rate: float,
 ) -> str:
     """``"2 (1.50x, +33% of the step)"``; a flagged rank missing from this window
     (its strikes stand) shows ``(no report)``, one whose peers did no work
@@ -282,7 +340,7 @@ def _shown(
         return f"{rank} (no peer time)"
     if steps[rank] <= 0.0:
         return f"{rank} ({scores[rank]:.2f}x)"
-    share = (figures[rank] - peers[rank]) / steps[rank]
+    share = (figures[rank] - peers[rank]) / rate / steps[rank]
     return f"{rank} ({scores[rank]:.2f}x, +{share:.0%} of the step)"
 
 
