@@ -22,9 +22,9 @@ run, and no process and no /dev/shm segment is left behind").
    manifest newer than ``latest``) and between saves.
 3. **Checks**, after each kill: the job's processes (found by a tag in their
    environment, whatever session they moved to) must be gone within ``--settle``
-   seconds, no step may be logged after the kill but the one in flight (a rank that
-   outlived its launcher trains on), and no new ``ms_data_``/``ms_ckpt_`` segment may
-   remain in /dev/shm;
+   seconds, no step may be logged after the launcher's exit but the one in flight (a
+   rank that outlived its launcher trains on), and no new ``ms_data_``/``ms_ckpt_``
+   segment may remain in /dev/shm;
    after the last start: exit 0, and every step's loss and grad norm equal to the
    reference, bit for bit. Stragglers are SIGKILLed and counted, so a failing trial does
    not spoil the next.
@@ -196,14 +196,18 @@ def trial(
             watch.sample()  # the segments held up to the kill, not only up to 0.1 s before
             os.killpg(job.pid, signal.SIGKILL)
             t_kill = time.monotonic()
-            # Read right after the kill: a step logged later was trained by a rank that
-            # outlived it (read before the kill, a step finishing meanwhile would count).
-            reached = max(steps_logged(out), default=0)
+            # Read once the launcher has exited: the kernel sends its ranks their
+            # parent-death SIGKILL as it exits, so a step logged later was trained by a
+            # rank that outlived it. Not right after killpg(): the launcher dies only when
+            # it next runs, which on a busy host can be a step or more later (a fresh-clone
+            # run of the suite logged two steps in that gap, the ranks doing nothing wrong).
             job.wait(timeout=30)
+            t_exit = time.monotonic()
+            reached = max(steps_logged(out), default=0)
             survivors = wait_gone(tag, args.settle)
-            # A rank that outlived the kill goes on training: its steps land in the log. The
-            # step in flight may still be logged while the launcher is torn down, before the
-            # ranks' parent-death signal arrives; more than that is an orphan training on.
+            # A rank that outlived its launcher goes on training: its steps land in the log.
+            # The step in flight may still be logged while the rank's SIGKILL is delivered;
+            # more than that is an orphan training on.
             logged_after = max(steps_logged(out), default=0) - reached
             after_kill = max(0, logged_after - 1)
             watch.sample()
@@ -220,6 +224,7 @@ def trial(
                 "processes_left": [f"{pid} {cmd}" for pid, cmd in survivors.items()],
                 "processes_swept": swept,
                 "segments_left": segments,
+                "kill_to_launcher_exit_s": t_exit - t_kill,
                 "t_kill": t_kill,
                 "kill_to_new_step_s": math.nan,
             }
@@ -328,6 +333,12 @@ def main() -> None:
         print(
             f"| kill to the rerun's first new step | median {statistics.median(recover):.1f} s, "
             f"max {max(recover):.1f} s (the rerun started right after the kill settled) |"
+        )
+    exits = [x["kill_to_launcher_exit_s"] for x in kills]
+    if exits:
+        print(
+            f"| kill to the launcher's exit | median {statistics.median(exits) * 1e3:.0f} ms, "
+            f"max {max(exits) * 1e3:.0f} ms |"
         )
     print(f"| processes left {args.settle:g} s after a kill | {procs_left} |")
     print(f"| kills after which the step in flight was still logged | {in_flight} |")
