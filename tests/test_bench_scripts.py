@@ -17,7 +17,6 @@ import pytest
 import torch
 from _workspace import ROOT
 
-GPU_KERNELS = ROOT / "tools" / "bench" / "kernels" / "gpu_kernels.py"
 NORMS_TITLE = "## norms and activations"
 ATTENTION_TITLE = "## sliding-window attention"
 NORM_OPS = (
@@ -36,19 +35,15 @@ ATTENTION_CANDIDATES = (
 )
 
 
-def _run_gpu_kernels(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """The script with CUDA hidden, and without the interpreter the workspace conftest sets."""
+def _hidden_cuda() -> dict[str, str]:
+    """This environment with CUDA hidden, and without the interpreter the workspace
+    conftest sets."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    return subprocess.run(
-        [sys.executable, str(GPU_KERNELS), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    return env | {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _run_gpu_kernels(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return _run_bench("kernels/gpu_kernels.py", *args, cwd=cwd, env=_hidden_cuda())
 
 
 def _rows(table: str, first_column: str) -> list[str]:
@@ -130,11 +125,6 @@ def _run_bench(
         timeout=240,
         check=False,
     )
-
-
-def _hidden_cuda() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return env | {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_attention_tiles_without_cuda_says_so_and_measures_nothing(tmp_path: Path) -> None:

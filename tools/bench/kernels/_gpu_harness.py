@@ -1,4 +1,5 @@
-"""Timing machinery shared by the GPU benchmark scripts: alternating candidates, floors.
+"""Timing machinery shared by the GPU benchmark scripts: alternating candidates, floors,
+and the command-line types of their case lists.
 
 Candidates run side by side in one process: each warms up, then every repetition
 times each candidate once, the order rotating. On CUDA a call is timed between
@@ -9,6 +10,7 @@ the run goes on.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import importlib.metadata
 import statistics
@@ -33,11 +35,14 @@ __all__ = [
     "free_memory",
     "matmul_peak",
     "nvidia_smi",
+    "positive",
     "print_table",
     "randn",
+    "shapes_parser",
     "summarize",
     "sync",
     "version",
+    "window_list",
 ]
 
 L2_FLUSH_BYTES = 256 * 2**20  # beyond any GPU's L2 (H100: 50 MB)
@@ -278,3 +283,46 @@ def print_table(
     print(f"\n{title}\n{header}\n{'-' * len(header)}")
     scale = 1e9 if rate == "GB/s" else 1e12
     print("\n".join(_rows(records, key, scale)))
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def shapes_parser(size: int, what: str) -> Callable[[str], list[tuple[int, ...]]]:
+    """A parser of comma-separated shapes such as 8192x4096, each of `size` integers >= 1."""
+
+    def parse(text: str) -> list[tuple[int, ...]]:
+        shapes = []
+        for item in (t.strip() for t in text.split(",")):
+            dims = item.split("x")
+            whole = all(d.isascii() and d.isdigit() and int(d) >= 1 for d in dims)
+            if len(dims) != size or not whole:
+                raise argparse.ArgumentTypeError(
+                    f"must be comma-separated {what} ({size} integers >= 1 joined by x), "
+                    f"got {item!r}"
+                )
+            shapes.append(tuple(int(d) for d in dims))
+        return shapes
+
+    return parse
+
+
+def window_list(text: str) -> list[int | None]:
+    """An argparse type: comma-separated window sizes in tokens, or 'causal' (None)."""
+    windows: list[int | None] = []
+    for item in (t.strip() for t in text.split(",")):
+        if item == "causal":
+            windows.append(None)
+        elif item.isascii() and item.isdigit() and int(item) >= 1:
+            windows.append(int(item))
+        else:
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated window sizes in tokens (integers >= 1) or 'causal', "
+                f"got {item!r}"
+            )
+    return windows

@@ -47,7 +47,16 @@ if "--smoke" in sys.argv[1:] and not os.environ.get("TRITON_INTERPRET"):
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_harness import Timer, nvidia_smi, randn, sync, version
+from _gpu_harness import (
+    Timer,
+    nvidia_smi,
+    positive,
+    randn,
+    shapes_parser,
+    sync,
+    version,
+    window_list,
+)
 
 from ms_kernels import _attention_triton as kernels
 
@@ -226,50 +235,23 @@ def sweep(
     return report
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
-
-
-def _shapes(text: str) -> list[tuple[int, ...]]:
-    out: list[tuple[int, ...]] = []
-    for item in text.split(","):
-        parts = item.strip().split("x")
-        if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(
-                f"expected batch x seq x q heads x kv heads x head dim, got {item!r}"
-            )
-        b, s, hq, hkv, d = (int(p) for p in parts)
-        if hq % hkv:
-            raise argparse.ArgumentTypeError(f"q heads {hq} not a multiple of kv heads {hkv}")
-        out.append((b, s, hq, hkv, d))
-    return out
-
-
-def _windows(text: str) -> list[int | None]:
-    out: list[int | None] = []
-    for item in text.split(","):
-        item = item.strip()
-        if item == "causal":
-            out.append(None)
-        elif item.isdigit() and int(item) > 0:
-            out.append(int(item))
-        else:
-            raise argparse.ArgumentTypeError(f"expected 'causal' or tokens > 0, got {item!r}")
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", type=_shapes, default=[(4, 4096, 32, 8, 128)])
-    ap.add_argument("--windows", type=_windows, default=[None, 512])
+    ap.add_argument(
+        "--shapes",
+        type=shapes_parser(5, "batch x seq x q heads x kv heads x head dim"),
+        default=[(4, 4096, 32, 8, 128)],
+    )
+    ap.add_argument("--windows", type=window_list, default=[None, 512])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--reps", type=_positive, default=5, help="timed calls per case")
+    ap.add_argument("--reps", type=positive, default=5, help="timed calls per case")
     ap.add_argument("--budget-s", type=float, default=270.0, help="seconds for the whole sweep")
     ap.add_argument("--out", type=Path, help="JSON path (default bench-results/...)")
     ap.add_argument("--smoke", action="store_true", help="one tiny interpreted case per kernel")
     args = ap.parse_args(argv)
+    for _, _, hq, hkv, _ in args.shapes:
+        if hq % hkv:
+            ap.error(f"--shapes: query heads {hq} are not a multiple of key/value heads {hkv}")
     if args.smoke:
         args.shapes, args.windows, args.reps = [(1, 40, 2, 1, 16)], [None, 8], 1
     elif not torch.cuda.is_available():

@@ -90,10 +90,13 @@ from _gpu_harness import (
     free_memory,
     matmul_peak,
     nvidia_smi,
+    positive,
     print_table,
     randn,
+    shapes_parser,
     summarize,
     version,
+    window_list,
 )
 
 import ms_kernels
@@ -460,13 +463,6 @@ def attention_key(rec: dict[str, Any]) -> str:
 # --- main ------------------------------------------------------------------------
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
 def _dtypes(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in names if t not in DTYPES]
@@ -475,44 +471,10 @@ def _dtypes(text: str) -> list[str]:
     return names
 
 
-def _shapes(size: int, what: str) -> Callable[[str], list[tuple[int, ...]]]:
-    """A parser of comma-separated shapes such as 8192x4096, each of `size` integers >= 1."""
-
-    def parse(text: str) -> list[tuple[int, ...]]:
-        shapes = []
-        for item in (t.strip() for t in text.split(",")):
-            dims = item.split("x")
-            whole = all(d.isascii() and d.isdigit() and int(d) >= 1 for d in dims)
-            if len(dims) != size or not whole:
-                raise argparse.ArgumentTypeError(
-                    f"must be comma-separated {what} ({size} integers >= 1 joined by x), "
-                    f"got {item!r}"
-                )
-            shapes.append(tuple(int(d) for d in dims))
-        return shapes
-
-    return parse
-
-
-def _windows(text: str) -> list[int | None]:
-    windows: list[int | None] = []
-    for item in (t.strip() for t in text.split(",")):
-        if item == "causal":
-            windows.append(None)
-        elif item.isascii() and item.isdigit() and int(item) >= 1:
-            windows.append(int(item))
-        else:
-            raise argparse.ArgumentTypeError(
-                f"must be comma-separated window sizes in tokens (integers >= 1) or 'causal', "
-                f"got {item!r}"
-            )
-    return windows
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=_positive, default=20, help="timed repetitions per candidate")
-    ap.add_argument("--warmup", type=_positive, default=5, help="untimed calls first")
+    ap.add_argument("--reps", type=positive, default=20, help="timed repetitions per candidate")
+    ap.add_argument("--warmup", type=positive, default=5, help="untimed calls first")
     ap.add_argument("--only", choices=("norms", "attention"), help="run one section")
     ap.add_argument("--dtypes", type=_dtypes, default=["bf16", "fp16"], help="e.g. bf16,fp16,fp32")
     ap.add_argument(
@@ -520,19 +482,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--norm-shapes",
-        type=_shapes(2, "tokens x hidden"),
+        type=shapes_parser(2, "tokens x hidden"),
         default=NORM_SHAPES,
         help="norm cases, e.g. 8192x4096,16384x8192 (default: %(default)s)",
     )
     ap.add_argument(
         "--attention-shapes",
-        type=_shapes(5, "batch x seq x q heads x kv heads x head dim"),
+        type=shapes_parser(5, "batch x seq x q heads x kv heads x head dim"),
         default=ATTENTION_SHAPES,
         help="attention cases, e.g. 4x4096x32x8x128 (default: %(default)s)",
     )
     ap.add_argument(
         "--windows",
-        type=_windows,
+        type=window_list,
         default=WINDOWS,
         help="attention windows in tokens or 'causal', e.g. causal,512 (default: %(default)s)",
     )
