@@ -170,8 +170,9 @@ class Straggler:
                 steps[rank] = median([v[1] for v in values])
                 cpu = cpu and all(v[2] for v in values)
                 walls = [v[3] for v in values if v[3] is not None]
-                if len(walls) == len(values) and median(walls) > 0.0:
-                    rates.append(figures[rank] / median(walls))
+                wall = median(walls) if len(walls) == len(values) else 0.0
+                if wall > 0.0:
+                    rates.append(figures[rank] / wall)
         if len(figures) < 2:
             return  # no peers to compare with
         # Figures in CPU time: the CPU seconds a rank's loop gets per wall second while
@@ -185,6 +186,7 @@ class Straggler:
         ordered = sorted(figures.values())
         scores: dict[int, float] = {}
         peers: dict[int, float] = {}
+        shares: dict[int, float] = {}  # excess in wall time over the step (a step > 0)
         for rank, busy in figures.items():
             peer = _median_without(ordered, busy)
             if peer <= 0.0:
@@ -197,11 +199,12 @@ class Straggler:
                 and excess / rate >= floor * steps[rank]
             )
             self._strikes[rank] = self._strikes.get(rank, 0) + 1 if slow else 0
-            share = excess / rate / steps[rank] if steps[rank] > 0.0 else None
+            if steps[rank] > 0.0:
+                shares[rank] = excess / rate / steps[rank]
+            share = round(shares[rank], 4) if rank in shares else None
             recent = self._recent.setdefault(rank, deque(maxlen=self.windows + 3))
-            recent.append([window * self.window_steps, round(busy / peer, 4),
-                           None if share is None else round(share, 4), len(per_rank[rank]),
-                           slow])  # fmt: skip
+            recent.append([window * self.window_steps, round(busy / peer, 4), share,
+                           len(per_rank[rank]), slow])  # fmt: skip
         self._scores = scores
         flagged = sorted(r for r, n in self._strikes.items() if n >= self.windows)
         if not flagged:
@@ -209,7 +212,7 @@ class Straggler:
             return
         first, last = window * self.window_steps, (window + 1) * self.window_steps - 1
         by_score = sorted(scores, key=lambda r: -scores[r])
-        shown = ", ".join(_shown(r, scores, figures, peers, steps, rate) for r in flagged)
+        shown = ", ".join(_shown(r, scores, figures, shares) for r in flagged)
         floor_text = f" and {floor * 100:g}% of the step" if floor else ""
         self._outbox.put(
             _KEY,
@@ -235,13 +238,7 @@ class Straggler:
                     "peer_median_s": listed({r: round(peers[r], 6) for r in flagged if r in peers}),
                     "step_s": listed({r: round(steps[r], 6) for r in flagged if r in steps}),
                     "cpu_rate": round(rate, 4),
-                    "slowdown": listed(
-                        {
-                            r: round((figures[r] - peers[r]) / rate / steps[r], 4)
-                            for r in flagged
-                            if r in peers and steps[r] > 0.0
-                        }
-                    ),
+                    "slowdown": listed({r: round(shares[r], 4) for r in flagged if r in shares}),
                     "strikes": listed({r: self._strikes[r] for r in flagged}),
                     # [first step, score, excess / step, heartbeats, strike] per window
                     "recent_windows": listed(
@@ -327,21 +324,18 @@ def _shown(
     rank: int,
     scores: Mapping[int, float],
     figures: Mapping[int, float],
-    peers: Mapping[int, float],
-    steps: Mapping[int, float],
-    rate: float,
+    shares: Mapping[int, float],
 ) -> str:
     """``"2 (1.50x, +33% of the step)"``; a flagged rank missing from this window
     (its strikes stand) shows ``(no report)``, one whose peers did no work
-    ``(no peer time)``."""
+    ``(no peer time)``, one whose step took no time only its ratio."""
     if rank not in figures:
         return f"{rank} (no report)"
     if rank not in scores:
         return f"{rank} (no peer time)"
-    if steps[rank] <= 0.0:
+    if rank not in shares:
         return f"{rank} ({scores[rank]:.2f}x)"
-    share = (figures[rank] - peers[rank]) / rate / steps[rank]
-    return f"{rank} ({scores[rank]:.2f}x, +{share:.0%} of the step)"
+    return f"{rank} ({scores[rank]:.2f}x, +{shares[rank]:.0%} of the step)"
 
 
 def _with_ranks(finding: Finding, ranks: tuple[int, ...]) -> Finding:
