@@ -185,8 +185,12 @@ def parse_setting(text: str) -> tuple[float, int, float]:
         raise ValueError(f"a setting is THRESHOLD:WINDOWS:MIN_SLOWDOWN, got {text!r}") from None
     threshold, windows, min_slowdown = setting
     # Straggler's own checks, with its words (names the bad field)
-    Straggler(threshold=threshold, windows=windows, min_slowdown=min_slowdown)
-    Straggler(threshold=threshold, windows=windows, min_cpu_slowdown=min_slowdown)
+    Straggler(
+        threshold=threshold,
+        windows=windows,
+        min_slowdown=min_slowdown,
+        min_cpu_slowdown=min_slowdown,
+    )
     return setting
 
 

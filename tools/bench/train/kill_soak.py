@@ -199,8 +199,8 @@ def trial(
             # Read once the launcher has exited: the kernel sends its ranks their
             # parent-death SIGKILL as it exits, so a step logged later was trained by a
             # rank that outlived it. Not right after killpg(): the launcher dies only when
-            # it next runs, which on a busy host can be a step or more later (a fresh-clone
-            # run of the suite logged two steps in that gap, the ranks doing nothing wrong).
+            # it next runs, 36-81 ms later here, one to two of this job's steps (likely what
+            # a fresh-clone run of the suite saw when it logged two steps after the kill).
             job.wait(timeout=30)
             t_exit = time.monotonic()
             reached = max(steps_logged(out), default=0)
