@@ -230,3 +230,32 @@ def test_one_process_without_a_group_matches_plain_training(accum):
         torch.testing.assert_close(p.detach(), ref_params[name], rtol=1e-5, atol=1e-6)
     state = zero.optimizer_state_dict(opt)
     assert all(type(v) is torch.Tensor for e in state["buckets"].values() for v in e.values())
+
+
+def _dropped_wrapper_is_freed(distributed: bool) -> tuple[bool, bool]:
+    """Build, train a step, drop: is anything of the wrapper or its model left?"""
+    import gc
+    import weakref
+
+    group = dist.group.WORLD if distributed else None
+    rank = dist.get_rank() if distributed else 0
+    net = make_net()
+    zero = ZeroDataParallel(net, group, replicated_chunks=1)
+    opt = zero.attach_optimizer(adamw(zero.optimizer_param_groups()))
+    tokens, targets = batches(1, 4)[0]
+    zero(tokens[rank * 2 : rank * 2 + 2], targets[rank * 2 : rank * 2 + 2]).backward()
+    zero.step(opt)
+    wrapper, model = weakref.ref(zero), weakref.ref(net)
+    del zero, net, opt
+    gc.collect()
+    return wrapper() is None, model() is None
+
+
+def test_a_dropped_wrapper_frees_its_model_and_buffers():
+    # torch holds post-accumulate-grad hooks out of the garbage collector's sight: a
+    # hook holding the wrapper made every dropped wrapper and its model immortal.
+    assert _dropped_wrapper_is_freed(False) == (True, True)
+    assert run_ranks(_dropped_wrapper_is_freed, 2, args=(True,), timeout=60) == [
+        (True, True),
+        (True, True),
+    ]

@@ -68,6 +68,15 @@ def _run(opt_name, accum, bucket_mb, replicated, chain, mode, group, on_event=No
     return losses, params, calls, len(zero._chunks)
 
 
+def _calls(n_chunks, replicated, chain):
+    """Optimizer calls of a by-chunk step: one per sharded chunk whose gather the step
+    issues (all, or those up to chunk ``chain``), one for the other sharded chunks, one
+    for all the replicated ones."""
+    sharded = range(replicated, n_chunks)
+    alone = [k for k in sharded if chain is None or k <= chain]
+    return len(alone) + (len(alone) < len(sharded)) + (replicated > 0)
+
+
 def _rank_both(opt_name, accum, bucket_mb, replicated, chain):
     group = dist.group.WORLD
     return {
@@ -80,7 +89,9 @@ CASES = [
     ("adamw", 1, 25.0, 0, None),
     ("adamw", 2, 0.002, 0, None),  # many uneven buckets, a parameter larger than one
     ("sgd", 1, 0.002, 1, None),  # the first chunk replicated
+    ("adamw", 2, 0.002, 2, None),  # two replicated, stepped after the sharded ones
     ("adamw", 1, 25.0, 0, 1),  # the paper's chain of 1
+    ("adamw", 1, 25.0, 2, 1),  # a chain of 1 whose first chunks are replicated
 ]
 
 
@@ -97,8 +108,9 @@ def test_by_chunk_is_the_same_training(opt_name, accum, bucket_mb, replicated, c
         plain, chunked = runs["plain"], runs["default"]
         n_chunks = chunked[3]
         assert plain[2] == [1] * STEPS
-        # One optimizer call per chunk; with a chain of 1, chunks 0 and 1 and the rest.
-        assert chunked[2] == [n_chunks if chain is None else 3] * STEPS
+        # One optimizer call per sharded chunk (with a chain of 1, those up to chunk 1
+        # and the rest), and one for the replicated ones.
+        assert chunked[2] == [_calls(n_chunks, replicated, chain)] * STEPS
         assert chunked[0] == plain[0]
         for name, p in plain[1].items():
             assert torch.equal(chunked[1][name], p), name
@@ -107,13 +119,13 @@ def test_by_chunk_is_the_same_training(opt_name, accum, bucket_mb, replicated, c
             torch.testing.assert_close(chunked[1][name], ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _rank_events(chain):
+def _rank_events(chain, replicated=0):
     events: list[tuple[str, str, dict]] = []
     _, _, calls, n_chunks = _run(
         "adamw",
         1,
         0.002,
-        0,
+        replicated,
         chain,
         "default",
         dist.group.WORLD,
@@ -238,3 +250,31 @@ def test_step_refuses_an_unattached_optimizer_a_foreign_tensor_and_a_step_before
     opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
     with pytest.raises(ValueError, match="not one of this wrapper's shard views"):
         zero.step(opt)
+
+
+def test_replicated_chunks_are_stepped_last_while_their_all_reduce_flies():
+    """The replicated chunks' all-reduces are the step's last reductions. Backward ends
+    without waiting for them: the sharded chunks are stepped and their gathers issued
+    first, and the all-reduces are waited only when the replicated chunks are stepped."""
+    replicated = 2
+    for events, calls, n_chunks in run_ranks(_rank_events, 2, args=(None, replicated), timeout=60):
+        assert calls == [_calls(n_chunks, replicated, None)] * STEPS
+        start = next(i for i, e in enumerate(events) if e[0] == "optimizer")
+        end = next(i for i, e in enumerate(events) if i > start and e[0] == "chunk")
+        step = events[start:end]
+        # Both all-reduces (one bucket per chunk here) are waited inside the step.
+        waited = [e[2]["chunk"] for e in step if e[:2] == ("all_reduce", "wait_begin")]
+        assert sorted(set(waited)) == list(range(replicated)), step
+        first_wait = min(i for i, e in enumerate(step) if e[:2] == ("all_reduce", "wait_begin"))
+        order = [e[2]["chunk"] for e in step if e[:2] == ("optimizer", "compute_begin")]
+        assert order == [*range(replicated, n_chunks), *range(replicated)]
+        for k in range(replicated, n_chunks):  # every sharded chunk stepped and gathered
+            for what in (("optimizer", "compute_end"), ("all_gather", "issue")):
+                assert any(e[:2] == what and e[2]["chunk"] == k for e in step[:first_wait])
+        for k in range(replicated):  # the replicated ones only after their all-reduce
+            begin = next(
+                i
+                for i, e in enumerate(step)
+                if e[:2] == ("optimizer", "compute_begin") and e[2]["chunk"] == k
+            )
+            assert begin > first_wait

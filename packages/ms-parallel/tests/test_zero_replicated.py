@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ms_testing.dist import run_ranks
+from ms_testing.dist import launch, run_ranks
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -24,7 +24,7 @@ if str(HERE) not in sys.path:
 
 from _models import OPTIMIZERS, accumulate, adamw, batches, make_net, reference  # noqa: E402
 
-from ms_parallel import EventLog, ZeroDataParallel, ZeroEngine  # noqa: E402
+from ms_parallel import CollectiveTimeout, EventLog, ZeroDataParallel, ZeroEngine  # noqa: E402
 
 STEPS = 4
 BATCH = 8
@@ -234,6 +234,7 @@ def _rank_bf16():
     )
     zero.attach_optimizer(torch.optim.SGD(zero.optimizer_param_groups(), lr=0.0))
     zero(tokens[mine], targets[mine]).backward()
+    zero.shard_grads()  # waits for the replicated chunks' all-reduces, still in flight
     out = []
     for b in zero.buckets:
         flat = torch.cat([by_hand[s.index].reshape(-1) for s in b.layout.slots])
@@ -251,3 +252,59 @@ def test_bf16_parameters_all_reduce_in_fp32():
                 assert got.numel() == want.numel() > 0
             # bf16 gradients summed in fp32: equal up to the order of one addition.
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def _rank_skipped_step():
+    """A backward whose step is skipped (as a trainer skips a step with a NaN loss),
+    then 3 steps, against the same 3 steps alone: the skipped backward's all-reduces,
+    left in flight, are waited by the next forward and change nothing."""
+    rank = dist.get_rank()
+    data = batches(4, BATCH)
+    mine = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+    out = []
+    for skip_first in (True, False):
+        net = make_net()
+        zero = ZeroDataParallel(net, dist.group.WORLD, replicated_chunks=2, bucket_mb=0.002)
+        opt = zero.attach_optimizer(adamw(zero.optimizer_param_groups()))
+        if skip_first:
+            zero(data[0][0][mine], data[0][1][mine]).backward()
+        for tokens, targets in data[1:]:
+            zero(tokens[mine], targets[mine]).backward()
+            zero.step(opt)
+            opt.zero_grad(set_to_none=True)
+        zero.gather_params()
+        out.append({n: p.detach().clone() for n, p in net.named_parameters()})
+    return out
+
+
+def test_a_skipped_step_leaves_no_reduction_behind():
+    for skipped, plain in run_ranks(_rank_skipped_step, 2, timeout=60):
+        for name, p in plain.items():
+            assert torch.equal(skipped[name], p), name
+
+
+def _rank_norm_stuck(timeout_s: float):
+    rank = dist.get_rank()
+    zero = ZeroDataParallel(make_net(), dist.group.WORLD, replicated_chunks=1, timeout_s=timeout_s)
+    tokens, targets = batches(1, 4)[0]
+    zero(tokens[rank * 2 : rank * 2 + 2], targets[rank * 2 : rank * 2 + 2]).backward()
+    if rank == 1:
+        import time
+
+        zero.shard_grads()  # joins every reduction, then no norm
+        time.sleep(timeout_s * 4)
+        return "slept"
+    try:
+        zero.grad_norm()
+    except CollectiveTimeout as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_gradient_norm_without_its_peer_is_named():
+    report = launch(_rank_norm_stuck, 2, args=(2.0,), timeout=60)
+    message = report.outcomes[0].value
+    assert isinstance(message, str), report.describe()
+    assert message.startswith("all_reduce (gradient norm) on process group "), message
+    assert "ranks 0, 1" in message and "on rank 0" in message and "within 2 s" in message
+    assert report.outcomes[1].value == "slept"

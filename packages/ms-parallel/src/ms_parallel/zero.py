@@ -29,6 +29,17 @@ first chunk's all-gather. What it costs: those chunks' optimizer state and updat
 every rank. Their bytes on the wire stay those of a reduce-scatter and an all-gather
 (an all-reduce is the two), all of them now in backward.
 
+The replicated chunks' all-reduces are the step's last reductions (backward produces
+the first chunks' gradients last), and backward ends without waiting for them. A step
+by chunk updates the sharded chunks and issues their all-gathers first, while those
+all-reduces are in flight, then waits for them and steps the replicated chunks: the
+step's critical path is the last all-reduce and the replicated chunks' update, shorter
+than DDP's (the last all-reduce and the whole model's update), and the sharded chunks'
+all-gathers hide behind the replicated chunks' forward. Everything that reads
+gradients through the wrapper waits for them first (the optimizer's step hooks,
+:meth:`~ZeroDataParallel.shard_grads`, :meth:`~ZeroDataParallel.grad_norm`, the next
+forward).
+
 Buffers are flat and bucketed, and a parameter's ``.data`` and ``.grad`` are views into
 them, so nothing is copied on the way to a collective (the layout is in ``_layout``).
 Under :meth:`no_sync` backward only accumulates: nothing is communicated until the
@@ -171,7 +182,11 @@ class ZeroDataParallel(nn.Module):
             events counts the same way). Their buckets' gradients are all-reduced
             instead of reduce-scattered, the optimizer steps them whole on every rank
             and they are never all-gathered, so no all-gather stands between the
-            optimizer step and the first chunk's forward. Default 0: all sharded.
+            optimizer step and the first chunk's forward. Their all-reduces are left
+            in flight when backward ends (see the module's docstring): read their
+            gradients through :meth:`shard_grads`, or after :meth:`shard_grads` has
+            returned, not from a parameter's ``.grad`` right after backward. Default
+            0: all sharded.
     """
 
     def __init__(
@@ -285,13 +300,19 @@ class ZeroDataParallel(nn.Module):
         self._synced_since_step = False
         self._bare_step = False  # an optimizer step that only creates the state
         self._stepping: list[int] | None = None  # the chunks a by-chunk step() is on
+        self._last_part = False  # ... and whether they are its last call
         self._optimizers: list[RemovableHandle] = []
         self._attached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._handles: list[RemovableHandle] = []
+        # torch keeps a post-accumulate-grad hook where the garbage collector cannot see
+        # it, so a hook holding the wrapper (which holds the parameter) would be a cycle
+        # never collected: a dropped wrapper would keep its model and buffers alive.
+        # The hooks hold it weakly.
+        grad_ready = _weak_method(self._grad_ready)
         for p in params:
             if p.requires_grad:
                 self._handles.append(
-                    p.register_post_accumulate_grad_hook(self._grad_ready)  # type: ignore[no-untyped-call]
+                    p.register_post_accumulate_grad_hook(grad_ready)  # type: ignore[no-untyped-call]
                 )
         for k, modules in enumerate(self._chunks):
             if k == 0 and self._leftovers:
@@ -427,7 +448,11 @@ class ZeroDataParallel(nn.Module):
         ``optimizer.step()`` for any other (ms-optim's LAMB computes whole-parameter
         norms with one all-reduce per step). ``False``: one call, as
         ``optimizer.step()`` does. One process (no group: nothing to gather) and one
-        chunk always take one call."""
+        chunk always take one call.
+
+        The calls go sharded chunks first, in forward order, then every replicated
+        chunk in one last call, after their all-reduces (still in flight when backward
+        ended) are waited: the sharded chunks' updates and all-gathers overlap them."""
         if optimizer not in self._attached:
             raise ValueError(
                 "optimizer must be attached to this wrapper first (attach_optimizer), "
@@ -447,15 +472,7 @@ class ZeroDataParallel(nn.Module):
             return
         if not self._synced_since_step:  # the refusal a plain step gives
             self._before_step(optimizer, (), {})
-        p = self.prefetch_chunks
-        parts = (
-            [[k] for k in range(n)]
-            if p is None or p + 1 >= n
-            else [
-                *([k] for k in range(p + 1)),
-                list(range(p + 1, n)),
-            ]
-        )
+        parts = self._step_parts()
         part_views = [
             [v for k in part for b in self._by_chunk[k] for *_, v, _ in b.local if id(v) in mine]
             for part in parts
@@ -467,6 +484,7 @@ class ZeroDataParallel(nn.Module):
                     for v in vs:
                         v.grad = grads[id(v)] if j == i else None
                 self._stepping = part
+                self._last_part = i == len(parts) - 1
                 optimizer.step()  # its hooks emit the part's events and issue its gathers
         except BaseException:
             # Some chunks stepped, others not: a second try would step the first twice.
@@ -480,14 +498,43 @@ class ZeroDataParallel(nn.Module):
             raise
         finally:
             self._stepping = None
+            self._last_part = False
             for vs in part_views:
                 for v in vs:
                     v.grad = grads[id(v)]
 
+    def _step_parts(self) -> list[list[int]]:
+        """The chunks of each optimizer call of a by-chunk step, in call order.
+
+        Sharded chunks first, in forward order, each on its own where its all-gather
+        goes out at once (all of them; with ``prefetch_chunks=p`` those up to chunk
+        ``p``, the rest in one call); then every replicated chunk in one call, since they
+        have nothing to gather. Replicated chunks come last because their all-reduces
+        are the step's last reductions (the first chunks' gradients are the last ones
+        backward produces), still in flight when backward ends: the sharded chunks'
+        updates and all-gathers run meanwhile, and their gathers hide behind the
+        replicated chunks' forward."""
+        n, p = len(self._chunks), self.prefetch_chunks
+        sharded = [k for k in range(n) if not self._chunk_replicated(k)]
+        alone = [k for k in sharded if p is None or k <= p]
+        rest = [k for k in sharded if k not in alone]
+        replicated = [k for k in range(n) if self._chunk_replicated(k)]
+        return [[k] for k in alone] + [part for part in (rest, replicated) if part]
+
+    def _chunk_replicated(self, k: int) -> bool:
+        return bool(self._by_chunk[k]) and all(b.replicated for b in self._by_chunk[k])
+
     def shard_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradients, one per bucket: its shard of a sharded bucket,
-        the whole of a replicated one (the same on every rank)."""
-        return [b.opt_grad[: max(0, min(b.shard, b.layout.numel - b.lo))] for b in self.buckets]
+        the whole of a replicated one (the same on every rank). Waits for reductions
+        still in flight (a replicated chunk's all-reduce may be, after backward)."""
+        for b in self.buckets:
+            self._wait_reduce(b)
+        return [self._shard_grad(b) for b in self.buckets]
+
+    @staticmethod
+    def _shard_grad(b: _Bucket) -> torch.Tensor:
+        return b.opt_grad[: max(0, min(b.shard, b.layout.numel - b.lo))]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the reduced gradients to a global norm of ``max_norm`` over the group,
@@ -501,15 +548,32 @@ class ZeroDataParallel(nn.Module):
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the reduced gradients, each element counted once
-        (collective over the group)."""
+        (collective over the group, bounded by ``timeout_s``). The sharded buckets'
+        all-reduce of squares goes out before the replicated buckets' all-reduces are
+        waited, so the two overlap."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for b in self.buckets:
+            if not b.replicated:
+                self._wait_reduce(b)
+                sq.add_(self._shard_grad(b).float().pow(2).sum())
+        work = None
+        if self.group is not None:  # issued before the replicated all-reduces are waited
+            work = dist.all_reduce(sq, group=self.group, async_op=True)
         # Replicated buckets are whole and equal on every rank: added after the
         # all-reduce, once, not once per rank.
         once = torch.zeros((), dtype=torch.float32, device=self.device)
-        for b, g in zip(self.buckets, self.shard_grads(), strict=True):
-            (once if b.replicated else sq).add_(g.float().pow(2).sum())
-        if self.group is not None:
-            dist.all_reduce(sq, group=self.group)
+        for b in self.buckets:
+            if b.replicated:
+                self._wait_reduce(b)
+                once.add_(self._shard_grad(b).float().pow(2).sum())
+        if work is not None:
+            wait_bounded(
+                work,
+                op="all_reduce",
+                group=self._comm_group(),
+                where="gradient norm",
+                timeout_s=self.timeout_s,
+            )
         return (sq + once).sqrt()
 
     def device_mesh(self) -> DeviceMesh:
@@ -590,8 +654,9 @@ class ZeroDataParallel(nn.Module):
         parameter's ``.grad`` at them (a user's ``zero_grad(set_to_none=True)`` on the
         module dropped the views)."""
         for b in self.buckets:
-            if b.reduce is not None:  # never reuse a buffer before its collective's wait
-                raise RuntimeError(f"internal: a {b.reduce_op} is still in flight")
+            # Never reuse a buffer before its collective's wait: a replicated bucket's
+            # all-reduce is still in flight when no optimizer stepped since backward.
+            self._wait_reduce(b)
             b.grad.zero_()
             b.ready = 0
             b.reduced = False
@@ -632,8 +697,13 @@ class ZeroDataParallel(nn.Module):
         for b in reversed(self.buckets):
             if not b.reduced:
                 self._issue_reduce(b)
+        # A replicated bucket's all-reduce is left in flight: whatever reads its
+        # gradients first waits for it (the optimizer's step hook, shard_grads,
+        # grad_norm, the next forward), so that a by-chunk step updates the sharded
+        # chunks and issues their gathers meanwhile.
         for b in self.buckets:
-            self._wait_reduce(b)
+            if not b.replicated:
+                self._wait_reduce(b)
         self._window_open = False
         self._synced_since_step = True
         for b in self.buckets:
@@ -650,6 +720,7 @@ class ZeroDataParallel(nn.Module):
             )
         part = self._stepping
         for b in self.buckets if part is None else self._buckets_of(part):
+            self._wait_reduce(b)  # a replicated bucket's all-reduce may be in flight
             if b.state == _GATHERING:  # the optimizer writes into the gathered buffer
                 self._wait_bucket_gather(b)
         for k in part or []:
@@ -665,7 +736,7 @@ class ZeroDataParallel(nn.Module):
         if part is not None:  # step(by_chunk=True): these chunks' shards are final
             for k in part:
                 self._emit("optimizer", "compute_end", chunk=k)
-            if part[-1] == len(self._chunks) - 1:
+            if self._last_part:
                 self._synced_since_step = False
             for k in part:
                 if self.prefetch_chunks is None or k <= self.prefetch_chunks:
@@ -782,6 +853,19 @@ class ZeroDataParallel(nn.Module):
             for s, _, _, view, _ in b.local:
                 out.setdefault(id(self._params[s.index]), []).append(view)
         return out
+
+
+def _weak_method(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """``method`` called through a weak reference to its object; a no-op once the
+    object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(arg: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(arg)
+
+    return call
 
 
 def default_chunks(module: nn.Module) -> list[list[nn.Module]]:
