@@ -64,6 +64,11 @@ def test_default_is_tiny_and_file_then_overrides_apply_in_order(tmp_path: Path) 
         ("optim.min_lr=1.0", r"optim.min_lr \(1.0\) must not exceed optim.lr"),
         ("parallel.tp=3", r"parallel.tp \(3\) must divide model.n_heads \(4\)"),
         ("parallel.pp=3", r"model.n_layers \(4\) must split evenly into parallel.pp"),
+        ("parallel.replicated_chunks=-1", r"parallel.replicated_chunks must be an int >= 0"),
+        (
+            "parallel.replicated_chunks=7",
+            r"parallel.replicated_chunks \(7\) must not exceed the model's 6 ZeRO chunks",
+        ),
         (
             "data.global_batch=12",
             r"data.global_batch \(12\) must be a multiple of data.micro_batch",
@@ -115,3 +120,24 @@ def test_overrides_round_trip(layers: int, heads_log: int, block: str) -> None:
     )
     assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.block) == (layers, heads, block)
     assert cfg.model.head_dim * heads == cfg.model.d_model
+
+
+def test_replicated_chunks_is_for_zero_only() -> None:
+    with pytest.raises(
+        ConfigError, match=r"parallel.replicated_chunks \(1\) applies to the zero engine only"
+    ):
+        load_config(overrides=["parallel.engine=ddp", "parallel.replicated_chunks=1"])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_replicated_chunks_bound_is_the_models_zero_chunks(tie: bool) -> None:
+    """The bound the config checks is the number of chunks ZeRO finds in the model."""
+    from ms_parallel import default_chunks
+    from ms_train.model import GPT
+
+    cfg = load_config(overrides=[f"model.tie_embeddings={str(tie).lower()}"])
+    n = cfg.model.n_layers + 2
+    assert len(default_chunks(GPT(cfg.model, device="meta"))) == n
+    load_config(
+        overrides=[f"model.tie_embeddings={str(tie).lower()}", f"parallel.replicated_chunks={n}"]
+    )

@@ -69,16 +69,28 @@ def _config(corpus: Path, out: Path, *extra: str) -> Config:
 def _train(config: Config) -> dict[str, Any]:
     with Trainer(config, peak_flops=1e9, stream=io.StringIO()) as trainer:
         s = trainer.train()
-    return {"dp": s.dp, "accum": s.grad_accum, "losses": s.loss_history, "end": s.end_step}
+        zero = getattr(trainer.engine, "zero", None)  # ZeroEngine's wrapper
+        replicated = None if zero is None else sum(b.replicated for b in zero.buckets)
+    return {
+        "dp": s.dp,
+        "accum": s.grad_accum,
+        "losses": s.loss_history,
+        "end": s.end_step,
+        "replicated_buckets": replicated,
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("engine", ["zero", "ddp"])
+@pytest.mark.parametrize("engine", ["zero", "zero/replicated=2", "ddp"])
 def test_two_ranks_match_one_process(corpus: Path, tmp_path: Path, engine: str) -> None:
     """20 steps of the same global batch: the engine over 2 gloo ranks (no accumulation)
-    and one process (2 accumulated micro-batches) follow the same loss trajectory."""
-    steps = ["train.steps=20", "checkpoint.resume=false", f"parallel.engine={engine}"]
+    and one process (2 accumulated micro-batches) follow the same loss trajectory.
+    ``zero/replicated=2``: ZeRO with the embeddings and the first block replicated."""
+    name, _, replicated = engine.partition("/replicated=")
+    steps = ["train.steps=20", "checkpoint.resume=false", f"parallel.engine={name}"]
+    if replicated:
+        steps.append(f"parallel.replicated_chunks={replicated}")
     env = {"OMP_NUM_THREADS": "1"}
     one = run_ranks(
         _train, 1, args=(_config(corpus, tmp_path / "one", *steps),), timeout=180, env=env
@@ -88,6 +100,8 @@ def test_two_ranks_match_one_process(corpus: Path, tmp_path: Path, engine: str) 
     )
     assert (one["dp"], one["accum"]) == (1, 2)
     assert [(r["dp"], r["accum"]) for r in two] == [(2, 1), (2, 1)]
+    # The config reached ZeRO: buckets of the replicated chunks on every rank.
+    assert all(bool(r["replicated_buckets"]) == bool(replicated) for r in two)
     assert two[0]["losses"] == two[1]["losses"]  # the reported loss is the global mean
     single = torch.tensor([loss for _, loss in one["losses"]])
     parallel = torch.tensor([loss for _, loss in two[0]["losses"]])

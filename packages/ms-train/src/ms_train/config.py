@@ -276,6 +276,16 @@ class ParallelConfig:
         collective_timeout_s: ZeRO bounds every wait on a collective by this many
             seconds; a rank that stops participating then fails the others with an
             error naming the collective, the group and the chunk.
+        replicated_chunks: ZeRO only: how many of the model's chunks, from the first
+            (the embeddings, then each block, then the final norm and head: ``n_layers
+            + 2`` in all), are kept whole on every rank instead of sharded. Their
+            gradients are all-reduced and every rank steps them, so no all-gather
+            stands between the optimizer step and the next forward; the cost is
+            their optimizer state on every rank. 2 (the embeddings and the first
+            block) suits a network whose collective latency is up to about one
+            block's forward and backward; the embeddings' own compute hides nothing
+            (ms-parallel's ``docs/zero-critical-path.md``). Checkpoints load across
+            values.
     """
 
     tp: int = attrs.field(default=1, validator=_positive_int("parallel"))
@@ -290,6 +300,7 @@ class ParallelConfig:
     collective_timeout_s: float = attrs.field(
         default=600.0, validator=_float("parallel", low=0.0, low_open=True)
     )
+    replicated_chunks: int = attrs.field(default=0, validator=_nonneg_int("parallel"))
 
 
 @attrs.frozen(kw_only=True)
@@ -394,6 +405,17 @@ class Config:
         if m.ffn_size % p.tp:
             raise ConfigError(
                 f"parallel.tp ({p.tp}) must divide the FFN size ({m.ffn_size}, model.d_ff)"
+            )
+        if p.replicated_chunks and p.engine != "zero":
+            raise ConfigError(
+                f"parallel.replicated_chunks ({p.replicated_chunks}) applies to the zero "
+                f"engine only, got parallel.engine = {p.engine!r}"
+            )
+        if p.replicated_chunks > m.n_layers + 2:
+            raise ConfigError(
+                f"parallel.replicated_chunks ({p.replicated_chunks}) must not exceed the "
+                f"model's {m.n_layers + 2} ZeRO chunks (model.n_layers + 2: the "
+                "embeddings, each block, the final norm and head)"
             )
         chunks = p.pp * p.virtual_stages
         if m.n_layers % chunks:

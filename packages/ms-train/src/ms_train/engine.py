@@ -32,7 +32,11 @@ def _zero(p: ParallelConfig, device: torch.device, on_event: EventHook | None) -
     # One process without a process group still runs ZeRO's code and state form, so a
     # checkpoint moves between one rank and many.
     return ZeroEngine(
-        device, bucket_mb=p.bucket_mb, timeout_s=p.collective_timeout_s, on_event=on_event
+        device,
+        bucket_mb=p.bucket_mb,
+        timeout_s=p.collective_timeout_s,
+        on_event=on_event,
+        replicated_chunks=p.replicated_chunks,
     )
 
 
