@@ -300,7 +300,6 @@ class ZeroDataParallel(nn.Module):
         self._synced_since_step = False
         self._bare_step = False  # an optimizer step that only creates the state
         self._stepping: list[int] | None = None  # the chunks a by-chunk step() is on
-        self._last_part = False  # ... and whether they are its last call
         self._optimizers: list[RemovableHandle] = []
         self._attached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._handles: list[RemovableHandle] = []
@@ -484,8 +483,8 @@ class ZeroDataParallel(nn.Module):
                     for v in vs:
                         v.grad = grads[id(v)] if j == i else None
                 self._stepping = part
-                self._last_part = i == len(parts) - 1
                 optimizer.step()  # its hooks emit the part's events and issue its gathers
+            self._synced_since_step = False  # every chunk stepped: the next needs backward
         except BaseException:
             # Some chunks stepped, others not: a second try would step the first twice.
             # The part that failed may be partly updated: gather it as it is, so that
@@ -498,7 +497,6 @@ class ZeroDataParallel(nn.Module):
             raise
         finally:
             self._stepping = None
-            self._last_part = False
             for vs in part_views:
                 for v in vs:
                     v.grad = grads[id(v)]
@@ -514,15 +512,10 @@ class ZeroDataParallel(nn.Module):
         backward produces), still in flight when backward ends: the sharded chunks'
         updates and all-gathers run meanwhile, and their gathers hide behind the
         replicated chunks' forward."""
-        n, p = len(self._chunks), self.prefetch_chunks
-        sharded = [k for k in range(n) if not self._chunk_replicated(k)]
-        alone = [k for k in sharded if p is None or k <= p]
-        rest = [k for k in sharded if k not in alone]
-        replicated = [k for k in range(n) if self._chunk_replicated(k)]
-        return [[k] for k in alone] + [part for part in (rest, replicated) if part]
-
-    def _chunk_replicated(self, k: int) -> bool:
-        return bool(self._by_chunk[k]) and all(b.replicated for b in self._by_chunk[k])
+        n, p, r = len(self._chunks), self.prefetch_chunks, self.replicated_chunks
+        alone = [k for k in range(r, n) if p is None or k <= p]
+        rest = [k for k in range(r, n) if p is not None and k > p]
+        return [[k] for k in alone] + [part for part in (rest, list(range(r))) if part]
 
     def shard_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradients, one per bucket: its shard of a sharded bucket,
@@ -736,8 +729,6 @@ class ZeroDataParallel(nn.Module):
         if part is not None:  # step(by_chunk=True): these chunks' shards are final
             for k in part:
                 self._emit("optimizer", "compute_end", chunk=k)
-            if self._last_part:
-                self._synced_since_step = False
             for k in part:
                 if self.prefetch_chunks is None or k <= self.prefetch_chunks:
                     self._issue_gather(k)  # the later chunks' steps hide it
