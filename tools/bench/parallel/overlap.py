@@ -29,7 +29,9 @@ parameters, fp32), 1,024 random tokens (rows) per rank against random targets, M
    optimizer step on every rank, and no all-gather between the optimizer step and the
    first forward (DeepSpeed's persistence of small parameters). **ms ZeRO-2, first 3
    chunks replicated**: the same for the first three blocks (of the smoke model's two,
-   both), whose forward covers an L of three blocks' forward. Every ms candidate
+   both): before ms-parallel 0.3.0 their forward was what covered an L of three
+   blocks' forward; since, the sharded chunks' update overlaps the replicated
+   chunks' all-reduce and one replicated chunk covers it too. Every ms candidate
    but the one above steps through ``zero.step(opt)`` (the serialized one too, each
    chunk's all-gather waited right after its part of the step). **ms ZeRO-2, chain of
    1**: the same with
@@ -256,7 +258,8 @@ def ms_zero2_replicated1(model: nn.Sequential, comm: Comm, config: BenchConfig) 
 
 def ms_zero2_replicated3(model: nn.Sequential, comm: Comm, config: BenchConfig) -> Step:
     """The same with the first three chunks replicated (all of them if the model has
-    fewer): their forward covers an all-gather of L = three blocks' forward."""
+    fewer): what covered an all-gather of L = three blocks' forward before ms-parallel
+    0.3.0 overlapped the sharded chunks' update with the replicated all-reduce."""
     return zero_candidate(model, comm, config, replicated_chunks=min(3, config.blocks))
 
 
