@@ -132,7 +132,7 @@ bench-ckpt: $(STAMP)
 	$(BIN)/python tools/bench/ckpt/restore.py --gib 1 --reps 3
 
 bench-train: $(STAMP)
-	$(BIN)/python tools/bench/train/throughput.py --reps 8
+	$(BIN)/python tools/bench/train/throughput.py --reps 12 --diag-reps 4
 
 # Group init of a pp x dp x tp mesh on 8 gloo ranks: build_mesh against one new_group per
 # group and init_device_mesh, with torch's per-group init barrier off and on (issue 15).

@@ -199,13 +199,27 @@ def test_train_throughput_smoke_writes_ratio_and_mfu(tmp_path: Path) -> None:
     proc = _run_bench("train/throughput.py", "--smoke", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
-    assert "ratio ms-train / plain, median of the 1 back-to-back pairs:" in proc.stdout, (
-        proc.stdout[-2000:]
-    )
+    assert "ratio ms-train / plain, median of 1 runs each over the mean of the plain" in (
+        proc.stdout
+    ), proc.stdout[-2000:]
     record = json.loads(out.read_text())
     assert record["smoke"] is True
-    assert record["ratio"] > 0 and len(record["ratio_per_rep"]) == 1
+    assert record["ratio"] > 0 and len(record["ratio_per_run"]) == 1
     assert record["ratio_in_memory_batches"] > 0 and record["ratio_vs_plain_with_reads"] > 0
+    # Every candidate run lies between two plain runs, and its ratio is over their mean.
+    order = record["order_of_runs"]
+    assert order == [
+        "plain loop",
+        "ms-train",
+        "plain loop",
+        "ms-train, in-memory batches",
+        "plain loop",
+        "plain loop + reads",
+        "plain loop",
+    ], order
+    plain = [r["tokens_per_s"] for r in record["runs"]["plain loop"]]
+    ms = record["runs"]["ms-train"][0]["tokens_per_s"]
+    assert record["ratio_per_run"][0] == pytest.approx(ms / ((plain[0] + plain[1]) / 2))
     # MFU is the model FLOPs rate over the better of the two measured matmul rates (not
     # asserted below 1: on a busy machine a measured rate says little).
     rate = record["matmul_flops"]
