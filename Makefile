@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 DIST ?= dist
 BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest pytest-jobs pytest-rest pytest-alone test-one dist bench-optim bench-kernels bench-kernels-gpu bench-attention-tiles bench-data bench-ckpt bench-ckpt-gpu bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health bench-health-overhead bench-health-recovery bench-health-soak bench-health-straggler clean
+.PHONY: run test test-fast lint typecheck pytest pytest-jobs pytest-rest pytest-alone test-one dist bench-optim bench-kernels bench-kernels-gpu bench-attention-tiles bench-data bench-ckpt bench-ckpt-gpu bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health bench-health-overhead bench-health-window bench-health-recovery bench-health-soak bench-health-straggler clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -159,6 +159,11 @@ bench-health: $(STAMP)
 # decides only a cost well away from 1%.
 bench-health-overhead: $(STAMP)
 	$(BIN)/python tools/bench/health/train_overhead.py --reps 21
+
+# The same cost in one run: ms-health switched on and off in alternating windows of
+# 12 steps, blocks of on, off, off, on (about 8 min).
+bench-health-window: $(STAMP)
+	$(BIN)/python tools/bench/health/window_overhead.py --blocks 60 --window 12
 
 # Each fault class once, ms-health beside plain torchrun --max-restarts (about 10 min).
 bench-health-recovery: $(STAMP)

@@ -396,6 +396,31 @@ def test_health_sender_overhead_smoke_times_every_call(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_health_window_overhead_smoke_switches_health_on_and_off(tmp_path: Path) -> None:
+    """ms-health switched on and off between windows of one training loop: the windows
+    run on, off, off, on; the driver's helper process takes CPU only in the on windows
+    (it is stopped in the others); heartbeats reach the driver; each block's ratio is
+    its off windows' time over its on windows'."""
+    out = tmp_path / "out" / "window_overhead.json"
+    proc = _run_bench("health/window_overhead.py", "--smoke", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
+    record = json.loads(out.read_text())
+    assert record["kinds"] == ["on", "off", "off", "on"] * 2
+    assert record["helper_cpu_s"]["off"] == 0.0
+    # two on windows per block, each a beat at its start and one when it is switched off
+    assert record["heartbeats"] >= 2 * 2 * 2
+    assert record["heartbeat_loop_s"] > 0 and record["heartbeat_sender_cpu_s"] > 0
+    on, off = record["window_s"]["on"], record["window_s"]["off"]
+    assert record["ratio_per_block"] == pytest.approx(
+        [(off[0] + off[1]) / (on[0] + on[1]), (off[2] + off[3]) / (on[2] + on[3])]
+    )
+    # two blocks: the sign test's interval has too little coverage to decide
+    assert record["ratio_ci"]["coverage"] < 0.95 and record["verdict"] == "undecided"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "window_overhead.json"]
+
+
+@pytest.mark.slow
 def test_health_train_overhead_smoke_reads_both_shares(tmp_path: Path) -> None:
     """ms-train tiny on 2 ranks with --health, with --no-health and with --health idle
     (beats every 30 s): each run's tokens/s, the heartbeat's share measured inside the
