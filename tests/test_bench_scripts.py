@@ -408,9 +408,10 @@ def test_health_window_overhead_smoke_switches_health_on_and_off(tmp_path: Path)
     record = json.loads(out.read_text())
     assert record["kinds"] == ["on", "off", "off", "on"] * 2
     assert record["helper_cpu_s"]["off"] == 0.0
-    # two on windows per block, each a beat at its start and one when it is switched off
-    assert record["heartbeats"] >= 2 * 2 * 2
-    assert record["heartbeat_loop_s"] > 0 and record["heartbeat_sender_cpu_s"] > 0
+    # two on windows per block, each switched on and off by an acknowledged beat (the
+    # windows' own beats come every 0.5 s: 3-step windows may hold none)
+    assert record["heartbeats_sent"] >= 2 * 2 * 2
+    assert record["heartbeat_loop_s"] > 0
     on, off = record["window_s"]["on"], record["window_s"]["off"]
     assert record["ratio_per_block"] == pytest.approx(
         [(off[0] + off[1]) / (on[0] + on[1]), (off[2] + off[3]) / (on[2] + on[3])]

@@ -21,12 +21,13 @@ windows of ``--window`` steps:
 Switching happens between windows, outside the timed spans. Off: the sender's
 ``interval_s`` is made endless and a phase change ("paused") wakes it for one beat,
 awaited, then SIGSTOP. On: SIGCONT, the interval set back, and a phase change ("train")
-that wakes the sender for a beat at once. So every on window carries one beat more
-than its share (at 12 steps and 0.5 s, about 1.3x the steady rate): the measurement can
-only overstate the cost. The driver's clock jumps while it is stopped, so it finds
-"missing heartbeats" (observe-only: recorded as "would act", counted in the output; a
-check of the switching, not the soak's false-alarm count); their handling is in the
-helper's CPU of the on windows, overstating again.
+that wakes the sender for a beat, awaited too. Then, before a window of either kind, a
+pause of a random length in [0, ``--interval``): an on window starts at a random
+moment of the beat schedule, so it holds its length's share of beats, as a window of a
+running job does. The driver's clock jumps while it is stopped, so it finds "missing
+heartbeats" (observe-only: recorded as "would act", counted in the output; a check of
+the switching, not the soak's false-alarm count); they come at the switch, and their
+handling may reach into the on window's helper CPU, which can only overstate the cost.
 
 The windows run in blocks of four, on, off, off, on (ABBA): a block's ratio, the two
 off windows' time over the two on windows', cancels a drift that is steady over the
@@ -58,6 +59,7 @@ import datetime
 import io
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -116,16 +118,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def pause(hb: Heartbeat, helper_pid: int) -> None:
-    """Switch ms-health off: the sender's next pause made endless, a phase change that
-    wakes it for one last beat (awaited, at most 5 s), then SIGSTOP to the helper."""
+def switch(hb: Heartbeat, helper_pid: int, *, on: bool, interval_s: float) -> None:
+    """Switch ms-health on (SIGCONT to the helper, the sender's interval back) or off
+    (the sender's next pause made endless, then SIGSTOP): a phase change wakes the
+    sender for a beat, which is awaited (at most 5 s), so that it falls outside the
+    windows."""
     sent = hb.sent
-    hb.interval_s = PAUSED_INTERVAL_S
-    hb.set_phase("paused")
+    if on:
+        os.kill(helper_pid, signal.SIGCONT)
+    hb.interval_s = interval_s if on else PAUSED_INTERVAL_S
+    hb.set_phase("train" if on else "paused")
     deadline = time.monotonic() + 5.0
     while hb.sent == sent and time.monotonic() < deadline:
         time.sleep(0.001)
-    os.kill(helper_pid, signal.SIGSTOP)
+    if not on:
+        os.kill(helper_pid, signal.SIGSTOP)
 
 
 def main() -> None:
@@ -213,15 +220,17 @@ def main() -> None:
             loss, _, _ = trainer.train_step(step)
             step += 1
             hb.step(step, loss=loss, tokens=tokens_per_step)
-        pause(hb, helper.pid)
+        switch(hb, helper.pid, on=False, interval_s=args.interval)
+        rng = random.Random(0)
         for w in range(windows):
             kind = "on" if w % 4 in (0, 3) else "off"
             on = kind == "on"
             if on:
-                before = hb.cost()
-                os.kill(helper.pid, signal.SIGCONT)
-                hb.interval_s = args.interval
-                hb.set_phase("train")  # wakes the sender: a beat at once, then every interval
+                switch(hb, helper.pid, on=True, interval_s=args.interval)
+            # Every window starts at a random moment of the beat schedule (idle before
+            # either kind alike), so an on window holds its length's share of beats.
+            time.sleep(rng.uniform(0.0, args.interval))
+            before = hb.cost()
             helper0 = cpu_seconds(helper.pid)
             t0 = time.perf_counter()
             for _ in range(args.window):
@@ -236,8 +245,8 @@ def main() -> None:
             helper_cpu[kind] += cpu_seconds(helper.pid) - helper0
             if on:
                 on_wall += spent
-                pause(hb, helper.pid)
                 after = hb.cost()
+                switch(hb, helper.pid, on=False, interval_s=args.interval)
                 loop_s += after["loop_s"] - before["loop_s"]
                 sender_s += after["sender_cpu_s"] - before["sender_cpu_s"]
                 beats += int(after["heartbeats"] - before["heartbeats"])
@@ -246,6 +255,7 @@ def main() -> None:
                 "tokens/s",
                 flush=True,
             )
+        sent = hb.sent  # the switches' beats included
     finally:
         os.kill(helper.pid, signal.SIGCONT)
         hb.stop()
@@ -339,6 +349,7 @@ def main() -> None:
         "helper_share_of_cores": helper_share,
         "on_wall_s": on_wall,
         "heartbeats": beats,
+        "heartbeats_sent": sent,
         "findings": findings,
         "wall_s": wall,
     }

@@ -332,7 +332,8 @@ def main() -> None:
         f"{PRESET} preset: {GPT(m).num_parameters() / 1e6:.2f}M parameters, seq_len "
         f"{m.seq_len}, micro-batch {config.data.micro_batch} x accumulation {accum} = "
         f"{config.data.global_batch} sequences ({per_step:,} tokens) per step, "
-        f"{fpt / 1e6:.1f} MFLOP per token; {args.steps} steps x {args.reps} reps; "
+        f"{fpt / 1e6:.1f} MFLOP per token; {args.steps} steps, {args.reps} ms-train runs and "
+        f"{args.diag_reps} of each diagnostic; "
         f"{torch.get_num_threads()} torch threads on {os.cpu_count()} cores"
     )
     print(f"matmul rate (1024^3 fp32, before): {peak / 1e9:.1f} GFLOP/s")
