@@ -41,7 +41,8 @@ window's end, like the step's log line. Reported: per block, on tokens/s over of
 median over blocks with the sign test's confidence interval
 (``ms_testing.bench.median_ci``) and the ratio of the summed times; besides, from
 inside the on windows: the heartbeat's own accounting (``Heartbeat.cost()``: the calls
-on the training thread plus the sender thread's CPU, the switching beats included) and
+on the training thread plus the sender thread's CPU, over the windows only: the
+switching beats fall outside them) and
 the helper's CPU seconds (``/proc``) over the on windows' wall time and the cores.
 Target (issue 16): ms-health costs under 1% (ratio >= 0.99): shown when the interval,
 at 95% or more (6 blocks and up), lies at or above 0.99, refuted when it lies below,
