@@ -41,7 +41,7 @@ import numpy as np
 import ms_data
 from ms_data import Corpus, NodeLoader, PackedDataset, ShardWriter
 from ms_data.tokenizer import ByteTokenizer
-from ms_testing.bench import machine_info
+from ms_testing.bench import cpu_seconds, machine_info
 
 SEQ_LEN = 128
 MICRO = 8
@@ -72,13 +72,6 @@ def dataset(corpus: Path) -> PackedDataset:
     return PackedDataset(Corpus(str(corpus)), SEQ_LEN, seed=0, eos_id=EOS, shuffle=True)
 
 
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def reader_cpu(corpus: Path, steps: int) -> float:
     """Reader CPU seconds per micro-batch, start-up excluded."""
     job = f"cost{uuid.uuid4().hex[:8]}"
@@ -92,11 +85,11 @@ def reader_cpu(corpus: Path, steps: int) -> float:
     ) as loader:
         next(loader)
         pid = loader.reader_pid or 0
-        before = cpu_s(pid)
+        before = cpu_seconds(pid)
         for _ in range(steps):
             next(loader)
         # The reader may be up to DEPTH steps ahead of the last batch taken.
-        return (cpu_s(pid) - before) / steps
+        return (cpu_seconds(pid) - before) / steps
 
 
 def sample_us(corpus: Path, samples: int) -> float:

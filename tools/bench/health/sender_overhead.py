@@ -48,7 +48,7 @@ from typing import Any
 import ms_health
 from ms_health.driver import Driver
 from ms_health.executor import Heartbeat
-from ms_testing.bench import machine_info
+from ms_testing.bench import cpu_seconds, machine_info
 
 TOKEN = "bench-token"
 
@@ -84,27 +84,20 @@ def time_events(target: Any, calls: int) -> float:
     return (time.perf_counter() - t0) / (calls // 2 * 2) * 1e9
 
 
-def thread_cpu_s(native_id: int) -> float:
-    with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
-        stat = f.read()
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def sender_cpu(url: str, seconds: float) -> dict[str, float]:
     """CPU seconds of the sender thread per heartbeat, posting every 20 ms."""
     with Heartbeat(url, TOKEN, job="bench", interval_s=0.02) as hb, hb.phase("train"):
         time.sleep(0.2)  # connected, facts read
         thread = next(t for t in threading.enumerate() if t.name.startswith("ms-health-heart"))
         assert thread.native_id is not None
-        cpu0, sent0 = thread_cpu_s(thread.native_id), hb.sent
+        cpu0, sent0 = cpu_seconds(thread=thread.native_id), hb.sent
         deadline = time.monotonic() + seconds
         step = 0
         while time.monotonic() < deadline:
             hb.step(step, loss=1.0, tokens=4096)
             step += 1
             time.sleep(0.001)
-        cpu, sent = thread_cpu_s(thread.native_id) - cpu0, hb.sent - sent0
+        cpu, sent = cpu_seconds(thread=thread.native_id) - cpu0, hb.sent - sent0
     return {"cpu_s": cpu, "heartbeats": sent, "cpu_s_per_heartbeat": cpu / max(sent, 1)}
 
 

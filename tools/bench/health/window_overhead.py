@@ -78,7 +78,7 @@ import ms_health
 import ms_train
 from ms_data import Corpus, PackedDataset, get_tokenizer
 from ms_health import Heartbeat
-from ms_testing.bench import machine_info, median_ci
+from ms_testing.bench import cpu_seconds, machine_info, median_ci
 from ms_train.config import load_config
 from ms_train.demo import demo_corpus
 from ms_train.trainer import Trainer
@@ -111,12 +111,6 @@ while not done.wait(1.0):
 agent.stop()
 driver.stop()
 """
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def switch(hb: Heartbeat, helper_pid: int, *, on: bool, interval_s: float) -> None:
@@ -207,9 +201,10 @@ def main() -> None:
         sys.exit(f"the driver's helper process exited: {helper_log.read_text()[-2000:]}")
     url = json.loads(line)["url"]
 
+    # Blocks of four windows: on, off, off, on.
+    kinds = ["on" if w % 4 in (0, 3) else "off" for w in range(windows)]
     times: dict[str, list[float]] = {"on": [], "off": []}
-    kinds: list[str] = []
-    loop_s = sender_s = on_wall = 0.0
+    loop_s = sender_s = 0.0
     beats = 0
     # The helper's CPU in the windows of each kind: none in "off" (it is stopped).
     helper_cpu = {"on": 0.0, "off": 0.0}
@@ -223,8 +218,7 @@ def main() -> None:
             hb.step(step, loss=loss, tokens=tokens_per_step)
         switch(hb, helper.pid, on=False, interval_s=args.interval)
         rng = random.Random(0)
-        for w in range(windows):
-            kind = "on" if w % 4 in (0, 3) else "off"
+        for w, kind in enumerate(kinds):
             on = kind == "on"
             if on:
                 switch(hb, helper.pid, on=True, interval_s=args.interval)
@@ -242,10 +236,8 @@ def main() -> None:
             loss.item()
             spent = time.perf_counter() - t0
             times[kind].append(spent)
-            kinds.append(kind)
             helper_cpu[kind] += cpu_seconds(helper.pid) - helper0
             if on:
-                on_wall += spent
                 after = hb.cost()
                 switch(hb, helper.pid, on=False, interval_s=args.interval)
                 loop_s += after["loop_s"] - before["loop_s"]
@@ -271,9 +263,9 @@ def main() -> None:
         if e.get("kind") == "finding"
     ]
 
-    # Blocks of four windows: on, off, off, on. The k-th block holds the on windows
-    # 2k and 2k+1 and the off windows 2k and 2k+1.
+    # The k-th block holds the on windows 2k and 2k+1 and the off windows 2k and 2k+1.
     on_t, off_t = times["on"], times["off"]
+    on_wall = sum(on_t)
     ratios = [(off_t[i] + off_t[i + 1]) / (on_t[i] + on_t[i + 1]) for i in range(0, len(on_t), 2)]
     ratio = statistics.median(ratios)
     low, high, coverage = median_ci(ratios)

@@ -20,7 +20,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["machine_info", "median_ci", "probe_env", "reset_peak", "run_probe", "vm_bytes"]
+__all__ = [
+    "cpu_seconds",
+    "machine_info",
+    "median_ci",
+    "probe_env",
+    "reset_peak",
+    "run_probe",
+    "vm_bytes",
+]
 
 
 def vm_bytes(key: str) -> int:
@@ -30,6 +38,17 @@ def vm_bytes(key: str) -> int:
     if match is None:
         raise KeyError(f"no {key} in /proc/self/status")
     return int(match.group(1)) * 1024
+
+
+def cpu_seconds(pid: int | str = "self", thread: int | None = None) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) or, given
+    ``thread`` (a native thread id), of that thread alone: ``/proc``'s ``stat``."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    with open(path, "rb") as f:
+        stat = f.read()
+    # utime and stime, the 14th and 15th fields, counted after the ")" that ends the name
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def reset_peak() -> int:
