@@ -346,13 +346,11 @@ def main() -> None:
     # block first, then the diagnostics, taking turns.
     sequence = alternate([MS] * args.reps + [MS_MEM, READS] * args.diag_reps)
     bracketed: dict[str, list[float]] = {n: [] for n in (MS, MS_MEM, READS)}
-    order: list[str] = []
     prev_plain: float | None = None
     pending: tuple[str, float] | None = None  # a candidate run waiting for its next plain run
-    for name in sequence:
+    for i, name in enumerate(sequence, 1):
         r = run_one(name, shards, args.steps, data, peak, args.tmp)
         runs[name].append(r)
-        order.append(name)
         rate = r["tokens_per_s"]
         if name == PLAIN:
             if pending is not None and prev_plain is not None:
@@ -361,7 +359,7 @@ def main() -> None:
         else:
             pending = (name, rate)
         print(
-            f"  run {len(order):3} {name:28} {rate:9,.0f} tokens/s  "
+            f"  run {i:3} {name:28} {rate:9,.0f} tokens/s  "
             f"loss {r['first_loss']:.6f} -> {r['last_loss']:.6f}",
             flush=True,
         )
@@ -372,16 +370,16 @@ def main() -> None:
     inner = {n: [r["tokens_per_s_steps_2_to_last_but_one"] for r in runs[n]] for n in CANDIDATES}
     med = {n: statistics.median(rates[n]) for n in CANDIDATES}
     med_inner = {n: statistics.median(inner[n]) for n in CANDIDATES}
-    per_rep = bracketed[MS]
+    per_run = bracketed[MS]
     # The headline is the median of ms-train's bracketed ratios: each run against the mean
     # of the plain runs just before and after it, which a slow stretch of the shared
     # machine lowers alike, where it skews a ratio of medians.
-    ratio = statistics.median(per_rep)
+    ratio = statistics.median(per_run)
     ratio_of_medians = med[MS] / med[PLAIN]
     ratio_inner = med_inner[MS] / med_inner[PLAIN]
-    per_rep_mem, per_rep_reads = bracketed[MS_MEM], bracketed[READS]
-    ratio_mem = statistics.median(per_rep_mem)
-    ratio_reads_plain = statistics.median(per_rep_reads)
+    per_run_mem, per_run_reads = bracketed[MS_MEM], bracketed[READS]
+    ratio_mem = statistics.median(per_run_mem)
+    ratio_reads_plain = statistics.median(per_run_reads)
     # ms-train against the loop that reads the same shards in the loop: both against the
     # plain loop, each by its own bracketed ratios.
     ratio_reads = ratio / ratio_reads_plain
@@ -419,15 +417,15 @@ def main() -> None:
             f"| {last['first_loss']:.6f} | {last['last_loss']:.6f} |"
         )
     print(
-        f"\nratio ms-train / plain, median of {len(per_rep)} runs each over the mean of the plain "
-        f"runs around it: {ratio:.3f} (per run {min(per_rep):.3f}-{max(per_rep):.3f}; target >= "
+        f"\nratio ms-train / plain, median of {len(per_run)} runs each over the mean of the plain "
+        f"runs around it: {ratio:.3f} (per run {min(per_run):.3f}-{max(per_run):.3f}; target >= "
         f"{TARGET_RATIO}: "
         f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}); ratio of the medians "
         f"{ratio_of_medians:.3f}; without the last step (final checkpoint): {ratio_inner:.3f}"
     )
     print(
         f"ratio plain loop reading the same shards in the loop / plain: {ratio_reads_plain:.3f} "
-        f"(per run {min(per_rep_reads):.3f}-{max(per_rep_reads):.3f}); ms-train / it: "
+        f"(per run {min(per_run_reads):.3f}-{max(per_run_reads):.3f}); ms-train / it: "
         f"{ratio_reads:.3f}"
     )
     print(
@@ -437,7 +435,7 @@ def main() -> None:
     waits = [r["loader"]["data_wait_fraction"] for r in runs[MS]]
     print(
         f"ratio ms-train with in-memory batches / plain: {ratio_mem:.3f} (per run "
-        f"{min(per_rep_mem):.3f}-{max(per_rep_mem):.3f}): the loop without the node loader"
+        f"{min(per_run_mem):.3f}-{max(per_run_mem):.3f}): the loop without the node loader"
     )
     print(
         f"ms-train data wait {100 * statistics.median(waits):.2f}% of step time (median); "
@@ -500,9 +498,9 @@ def main() -> None:
         "ratio_definition": "median over ms-train runs of its rate / the mean rate of the "
         "plain runs just before and after it",
         "ratio_of_medians": ratio_of_medians,
-        "ratio_per_run": per_rep,
-        "ratio_min": min(per_rep),
-        "ratio_max": max(per_rep),
+        "ratio_per_run": per_run,
+        "ratio_min": min(per_run),
+        "ratio_max": max(per_run),
         "target_ratio": TARGET_RATIO,
         "target_met": ratio >= TARGET_RATIO,
         "median_tokens_per_s_without_last_step": med_inner,
@@ -510,15 +508,15 @@ def main() -> None:
         "ratio_vs_plain_with_reads": ratio_reads,
         "ratio_plain_with_reads": ratio_reads_plain,
         "ratio_in_memory_batches": ratio_mem,
-        "ratio_in_memory_batches_per_run": per_rep_mem,
-        "ratio_plain_with_reads_per_run": per_rep_reads,
+        "ratio_in_memory_batches_per_run": per_run_mem,
+        "ratio_plain_with_reads_per_run": per_run_reads,
         "achieved_flops": {n: med[n] * fpt for n in CANDIDATES},
         "mfu": mfu[MS],
         "mfu_plain": mfu[PLAIN],
         "loss_max_rel_diff": loss_diff,
         "losses_match": same_math,
         "wall_s": wall,
-        "order_of_runs": order,
+        "order_of_runs": sequence,
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
