@@ -189,6 +189,123 @@ def test_garbage_on_the_socket_is_refused_and_the_driver_serves_on(
     still_serves(driver)
 
 
+@pytest.mark.parametrize(
+    ("request_head", "status"),
+    [
+        (b"GET /status HTTP/1.1\r\nX: a\r\n  folded\r\n\r\n", 400),
+        (b"GET /status HTTP/1.1\r\nX : a\r\n\r\n", 400),
+        (b"GET /status HTTP/1.1\r\n: a\r\n\r\n", 400),
+        (b"GET /status HTTP/2.0\r\n\r\n", 505),
+        (b"GET /status HTTPS/1.1\r\n\r\n", 400),
+        (b"GET /status\r\n\r\n", 400),
+        (b"GET /status HTTP/1.1 more\r\n\r\n", 400),
+        (b"GET /status HTTP/1.1\r\nX: " + b"y" * 70_000 + b"\r\n\r\n", 431),
+        (b"GET /status HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n", 431),
+    ],
+    ids=[
+        "folded",
+        "space-before-colon",
+        "no-name",
+        "http2",
+        "not-http",
+        "no-version",
+        "four-words",
+        "long-line",
+        "too-many",
+    ],
+)
+def test_a_malformed_request_head_gets_its_status_and_the_connection_closes(
+    driver: Driver, request_head: bytes, status: int
+) -> None:
+    before = rejected(driver, "bad_request")
+    reply = raw(driver, request_head)  # reads until the driver closes
+    assert status_of(reply) == status
+    assert b"Connection: close" in reply.partition(b"\r\n\r\n")[0]
+    assert rejected(driver, "bad_request") == before + 1
+    still_serves(driver)
+
+
+def replies(sock: socket.socket, n: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """The next ``n`` replies on ``sock``: (status, headers, body), read by length."""
+
+    def more() -> bytes:
+        chunk = sock.recv(65536)
+        assert chunk, "the driver closed the connection"
+        return chunk
+
+    out, buf = [], b""
+    for _ in range(n):
+        while b"\r\n\r\n" not in buf:
+            buf += more()
+        head, _, buf = buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        fields = dict(line.split(": ", 1) for line in lines[1:])
+        length = int(fields["Content-Length"])
+        while len(buf) < length:
+            buf += more()
+        out.append((int(lines[0].split(" ")[1]), fields, buf[:length]))
+        buf = buf[length:]
+    return out
+
+
+def test_requests_on_one_connection_are_answered_in_turn_and_headers_ignore_case(
+    driver: Driver,
+) -> None:
+    body = json.dumps(heartbeat_body()).encode()
+    post = headers(
+        "POST", "/heartbeat", f"authorization: bearer {TOKEN}", f"content-length: {len(body)}"
+    )
+    get = headers("GET", "/status", AUTH)
+    expect = headers(
+        "POST", "/heartbeat", AUTH, f"Content-Length: {len(body)}", "Expect: 100-continue"
+    )
+    with socket.create_connection(("127.0.0.1", driver.port), timeout=DEADLINE_S) as s:
+        s.sendall(post + body + get + post + body)
+        (a, ha, ba), (b, _, bb), (c, _, _) = replies(s, 3)
+        assert (a, b, c) == (200, 200, 200)
+        assert json.loads(ba)["ok"] is True and "job" in json.loads(bb)
+        assert ha["Content-Type"] == "application/json" and ha["Server"] == "ms-health"
+        assert ha["Date"].endswith(" GMT") and "Connection" not in ha
+        # a client that waits for 100 Continue before its body gets it, then the reply
+        s.sendall(expect)
+        interim = b""
+        while not interim.endswith(b"\r\n\r\n"):
+            chunk = s.recv(65536)
+            assert chunk, "the driver closed the connection"
+            interim += chunk
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        assert replies(s, 1)[0][0] == 200
+
+
+@pytest.mark.parametrize(
+    ("version", "connection", "kept"),
+    [
+        ("HTTP/1.1", None, True),
+        ("HTTP/1.1", "close", False),
+        ("HTTP/1.1", "Keep-Alive, close", False),
+        ("HTTP/1.0", None, False),
+        ("HTTP/1.0", "keep-alive", True),
+    ],
+)
+def test_the_connection_is_kept_as_the_request_asks(
+    driver: Driver, version: str, connection: str | None, kept: bool
+) -> None:
+    lines = [AUTH] + ([f"Connection: {connection}"] if connection else [])
+    head = headers("GET", "/status", *lines).replace(b"HTTP/1.1", version.encode(), 1)
+    with socket.create_connection(("127.0.0.1", driver.port), timeout=DEADLINE_S) as s:
+        s.sendall(head)
+        status, fields, _ = replies(s, 1)[0]
+        assert status == 200
+        s.settimeout(IO_TIMEOUT_S / 4)  # well before the driver's idle timeout
+        if kept:
+            assert "Connection" not in fields
+            with pytest.raises(TimeoutError):
+                s.recv(1)
+        else:
+            assert s.recv(1) == b""
+
+
 @settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=2000))
 def test_any_body_with_the_token_is_200_or_4xx_never_5xx(driver: Driver, body: bytes) -> None:

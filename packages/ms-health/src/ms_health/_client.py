@@ -4,14 +4,22 @@ and its in-process twin for a node agent that lives beside its driver.
 One connection is reused across heartbeats. The driver closes idle connections and a
 restarted driver has none of the old ones, so a request that fails on a reused
 connection is tried once more on a fresh one before the failure is reported.
+
+The client speaks the little HTTP/1.1 it needs itself: one write per request (head
+and body together) and a reply read as a status line, headers and a
+``Content-Length`` body (or, without one, everything up to the close). This runs on
+the sender's thread, holding the training process's GIL: ``http.client`` parses
+every reply's headers through the ``email`` package, which took about half of a
+heartbeat's CPU (measured 2026-12-07, ``tools/bench/health/sender_overhead.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import logging
+import socket
+import ssl
 import urllib.parse
 from typing import Any, Protocol
 
@@ -21,9 +29,17 @@ __all__ = ["JsonClient", "LocalApp", "LocalClient", "TransportError"]
 
 _log = logging.getLogger(__name__)
 
+#: The most a reply's status line and headers may take, and its body.
+MAX_REPLY_HEAD_BYTES = 64 * 1024
+MAX_REPLY_BODY_BYTES = 16 * 1024 * 1024
+
 
 class TransportError(Exception):
     """The request did not get an HTTP answer (refused, reset, timed out, garbled)."""
+
+
+class _Garbled(Exception):
+    """The server's answer is not an HTTP reply this client reads."""
 
 
 class JsonClient:
@@ -33,54 +49,159 @@ class JsonClient:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url must be http://HOST:PORT or https://HOST:PORT, got {url!r}")
+        try:
+            port = parts.port
+        except ValueError as e:  # not a number, or out of range
+            raise ValueError(f"url must have a port in 0-65535, got {url!r}") from e
+        if not token.isprintable():
+            raise ValueError("token must be printable text without line breaks")
+        if not (parts.path.isascii() and parts.path.isprintable()) or " " in parts.path:
+            raise ValueError(f"url's path must be ASCII without spaces, got {url!r}")
         self.url = url
-        self._scheme = parts.scheme
+        self._tls = parts.scheme == "https"
         self._host = parts.hostname
-        self._port = parts.port
+        self._port = port if port is not None else (443 if self._tls else 80)
         self._base = parts.path.rstrip("/")
-        self._headers = {
-            "Authorization": f"Bearer {token}",
-            "Content-Type": "application/json",
-        }
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        # Everything of a request's head but its path and length, encoded once.
+        self._headers = (
+            f"Host: {host}:{self._port}\r\n"
+            f"Authorization: Bearer {token}\r\n"
+            "Content-Type: application/json\r\n"
+            "Accept: application/json\r\n"
+        ).encode()
         self._timeout_s = timeout_s
-        self._conn: http.client.HTTPConnection | None = None
+        self._sock: socket.socket | None = None
+        self._buf = b""  # bytes read past the last reply's head
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """(status, decoded JSON reply, ``{}`` if none); TransportError without an answer."""
         data = json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
-        reused = self._conn is not None
+        reused = self._sock is not None
         try:
             return self._request(path, data)
-        except (OSError, http.client.HTTPException) as first:
+        except (OSError, _Garbled) as first:
             self.close()
             if not reused:
                 raise TransportError(f"{type(first).__name__}: {first}") from first
         try:
             return self._request(path, data)
-        except (OSError, http.client.HTTPException) as second:
+        except (OSError, _Garbled) as second:
             self.close()
             raise TransportError(f"{type(second).__name__}: {second}") from second
 
     def close(self) -> None:
-        if self._conn is not None:
+        if self._sock is not None:
             with contextlib.suppress(OSError):
-                self._conn.close()
-            self._conn = None
+                self._sock.close()
+            self._sock = None
+        self._buf = b""
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self._host, self._port), timeout=self._timeout_s)
+        try:
+            # One write per request; without this a second segment would wait for the
+            # server's delayed ACK.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls:
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self._host)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def _request(self, path: str, data: bytes) -> tuple[int, dict[str, Any]]:
-        if self._conn is None:
-            cls = (
-                http.client.HTTPSConnection
-                if self._scheme == "https"
-                else http.client.HTTPConnection
-            )
-            self._conn = cls(self._host, self._port, timeout=self._timeout_s)
-        self._conn.request("POST", self._base + path, body=data, headers=self._headers)
-        response = self._conn.getresponse()
-        raw = response.read()
-        if response.getheader("Connection", "").lower() == "close":
+        if self._sock is None:
+            self._sock = self._connect()
+            self._buf = b""
+        head = b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n" % (
+            (self._base + path).encode("ascii"),
+            self._headers,
+            len(data),
+        )
+        self._sock.sendall(head + data)
+        status, length, close = self._read_head()
+        if length is None:  # no length: the body runs to the close
+            raw = self._read_to_close()
+            close = True
+        else:
+            raw = self._read_exactly(length)
+        if close:
             self.close()
-        return response.status, _reply(raw)
+        elif self._buf:  # more than the one reply asked for
+            raise _Garbled(f"{len(self._buf)} unexpected bytes after the reply")
+        return status, _reply(raw)
+
+    def _recv(self) -> bytes:
+        assert self._sock is not None
+        chunk = self._sock.recv(65536)
+        if not chunk:
+            raise ConnectionResetError("the server closed the connection")
+        return chunk
+
+    def _read_head(self) -> tuple[int, int | None, bool]:
+        """(status, Content-Length or None, whether the server closes after this reply)."""
+        while (end := self._buf.find(b"\r\n\r\n")) < 0 and len(self._buf) <= MAX_REPLY_HEAD_BYTES:
+            self._buf += self._recv()
+        if not 0 <= end <= MAX_REPLY_HEAD_BYTES:
+            raise _Garbled(f"a reply head longer than {MAX_REPLY_HEAD_BYTES} bytes")
+        head, self._buf = self._buf[:end], self._buf[end + 4 :]
+        lines = head.decode("latin-1").split("\r\n")
+        version, _, rest = lines[0].partition(" ")
+        code = rest[:3]
+        if not (
+            version.startswith("HTTP/1.")
+            and len(code) == 3
+            and code.isascii()
+            and code.isdigit()
+            and rest[3:4] in ("", " ")
+        ):
+            raise _Garbled(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        status = int(code)
+        if 100 <= status < 200:
+            raise _Garbled(f"an interim reply ({status}) to a request that asked for none")
+        length: int | None = None
+        close = version == "HTTP/1.0"
+        for line in lines[1:]:
+            name, colon, value = line.partition(":")
+            if not colon:
+                raise _Garbled(f"a header line without a colon: {line[:80]!r}")
+            name, value = name.strip().lower(), value.strip()
+            if name == "content-length":
+                if not (value.isascii() and value.isdigit()) or length not in (None, int(value)):
+                    raise _Garbled(f"bad Content-Length {value[:40]!r}")
+                length = int(value)
+            elif name == "transfer-encoding":
+                raise _Garbled(f"Transfer-Encoding {value[:40]!r} is not read by this client")
+            elif name == "connection":
+                tokens = {t.strip().lower() for t in value.split(",")}
+                if "close" in tokens:
+                    close = True
+                elif "keep-alive" in tokens:
+                    close = False
+        if length is not None and length > MAX_REPLY_BODY_BYTES:
+            raise _Garbled(f"a reply body of {length} bytes, more than {MAX_REPLY_BODY_BYTES}")
+        if status in (204, 304):
+            length = 0
+        return status, length, close
+
+    def _read_exactly(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            self._buf += self._recv()
+        raw, self._buf = self._buf[:n], self._buf[n:]
+        return raw
+
+    def _read_to_close(self) -> bytes:
+        assert self._sock is not None
+        chunks = [self._buf]
+        size = len(self._buf)
+        while chunk := self._sock.recv(65536):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_REPLY_BODY_BYTES:
+                raise _Garbled(f"a reply body of more than {MAX_REPLY_BODY_BYTES} bytes")
+        self._buf = b""
+        return b"".join(chunks)
 
 
 class LocalApp(Protocol):
