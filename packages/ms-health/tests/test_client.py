@@ -19,6 +19,15 @@ TIMEOUT_S = 2.0
 Script = Callable[[bytes], tuple[bytes, bool]]
 
 
+def wait_for(condition: Callable[[], bool]) -> None:
+    """Until ``condition()`` holds (the server's thread counts a connection after the
+    client has moved on); fails after a few seconds."""
+    deadline = time.monotonic() + 5.0
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in 5 s"
+        time.sleep(0.01)
+
+
 def ok(body: bytes = b'{"ok":true}', *extra: str) -> bytes:
     head = ["HTTP/1.1 200 OK", f"Content-Length: {len(body)}", *extra]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
@@ -121,11 +130,14 @@ def test_a_request_is_one_well_formed_post_and_the_connection_is_kept(
 def test_connection_close_makes_the_next_request_connect_again(
     serve: Callable[[Script], ScriptedServer],
 ) -> None:
-    server = serve(lambda req: (ok(b"{}", "Connection: close"), True))
+    # The server says it closes but keeps the socket open: a client that kept using it
+    # would send every request on one connection.
+    server = serve(lambda req: (ok(b"{}", "Connection: close"), False))
     client = JsonClient(server.url, "tok", timeout_s=TIMEOUT_S)
     for _ in range(3):
         assert client.post("/x", {}) == (200, {})
-    assert server.connections == 3
+        assert client._sock is None
+    wait_for(lambda: server.connections == 3)
 
 
 def test_a_reply_without_a_length_is_read_to_the_close(
@@ -135,7 +147,8 @@ def test_a_reply_without_a_length_is_read_to_the_close(
     server = serve(lambda req: (b"HTTP/1.1 409 Conflict\r\nX-A: b\r\n\r\n" + body, True))
     client = JsonClient(server.url, "tok", timeout_s=TIMEOUT_S)
     assert client.post("/x", {}) == (409, {"big": "y" * 200_000})
-    assert client.post("/x", {})[0] == 409  # and connects again
+    assert client._sock is None  # the close ended the body: nothing to reuse
+    assert client.post("/x", {})[0] == 409
     assert server.connections == 2
 
 
@@ -163,6 +176,7 @@ def test_a_kept_connection_the_server_dropped_is_retried_once_on_a_fresh_one(
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", "chunked"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "Content-Length"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n", "Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n", "Content-Length"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", "Content-Length"),
         (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "colon"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 999999999\r\n\r\n", "more than"),
@@ -178,6 +192,7 @@ def test_a_kept_connection_the_server_dropped_is_retried_once_on_a_fresh_one(
         "chunked",
         "negative-length",
         "superscript-length",
+        "5000-digit-length",
         "two-lengths",
         "no-colon",
         "huge-body",
@@ -214,11 +229,14 @@ def test_http_1_0_closes_unless_kept_alive(serve: Callable[[Script], ScriptedSer
             b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\n{}",
         ]
     )
-    server = serve(lambda req: (next(replies), server.connections == 1))
+    server = serve(lambda req: (next(replies), False))  # the server never closes
     client = JsonClient(server.url, "tok", timeout_s=TIMEOUT_S)
+    kept = []
     for _ in range(3):
         assert client.post("/x", {}) == (200, {})
-    assert server.connections == 2  # the first closed; the next two shared one
+        kept.append(client._sock is not None)
+    assert kept == [False, True, True]
+    wait_for(lambda: server.connections == 2)  # the first dropped; the next two shared one
 
 
 def test_a_silent_server_or_a_closed_port_is_a_transport_error_in_time(
@@ -246,10 +264,48 @@ def test_a_silent_server_or_a_closed_port_is_a_transport_error_in_time(
         ("http://h:99999", "t", "port in 0-65535"),
         ("http://h:1", "a\r\nX-Evil: 1", "token must be printable"),
         ("http://h:1", "tab\there", "token must be printable"),
-        ("http://h:1/dr\u00efver", "t", "path must be ASCII"),
-        ("http://h:1/a b", "t", "path must be ASCII"),
+        ("http://h:1", "tok\u00e9n", "token must be printable ASCII"),
+        ("http://a..b:1", "t", "not a valid host name"),
+        ("http://" + "a" * 64 + ":1", "t", "not a valid host name"),
+        ("http://h:1/dr\u00efver", "t", "path must be printable ASCII"),
+        ("http://h:1/a b", "t", "path must be printable ASCII"),
     ],
 )
 def test_bad_arguments_are_refused_up_front(url: str, token: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         JsonClient(url, token, timeout_s=1.0)
+
+
+def test_a_reply_that_began_is_never_answered_by_sending_the_request_again(
+    serve: Callable[[Script], ScriptedServer],
+) -> None:
+    # A well-formed reply followed by stray bytes on a kept connection: the server
+    # acted on the request, so the client reports the failure instead of a second send.
+    replies = iter([ok(b'{"n":1}'), ok(b'{"n":2}') + b"junk", ok(b'{"n":3}')])
+    server = serve(lambda req: (next(replies), False))
+    client = JsonClient(server.url, "tok", timeout_s=TIMEOUT_S)
+    assert client.post("/x", {}) == (200, {"n": 1})
+    with pytest.raises(TransportError, match="unexpected bytes"):
+        client.post("/x", {})
+    assert len(server.requests) == 2
+    # and the next request starts clean on a new connection, with nothing stale read
+    assert client.post("/x", {}) == (200, {"n": 3})
+    wait_for(lambda: server.connections == 2)
+
+
+def test_a_body_nested_too_deeply_to_decode_is_an_empty_reply(
+    serve: Callable[[Script], ScriptedServer],
+) -> None:
+    server = serve(lambda req: (ok(b"[" * 100_000), False))
+    assert JsonClient(server.url, "tok", timeout_s=TIMEOUT_S).post("/x", {}) == (200, {})
+
+
+def test_a_path_that_cannot_go_in_a_request_line_is_refused(
+    serve: Callable[[Script], ScriptedServer],
+) -> None:
+    server = serve(lambda req: (ok(), False))
+    client = JsonClient(server.url, "tok", timeout_s=TIMEOUT_S)
+    for path in ("/a b", "/x\r\nX-Evil: 1", "/caf\u00e9"):
+        with pytest.raises(ValueError, match="path must be printable ASCII"):
+            client.post(path, {})
+    assert server.requests == []

@@ -434,5 +434,6 @@ def test_an_unreadable_state_file_is_refused(tmp_path: Path) -> None:
 def test_bad_arguments_are_refused_by_name(kwargs: Any, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         Driver(TOKEN, **kwargs)
-    with pytest.raises(ValueError, match="token must be a non-empty string"):
-        Driver("")
+    for token in ("", "tok\u00e9n", "two words\n"):  # a client could not present these
+        with pytest.raises(ValueError, match="token must be a non-empty string of printable"):
+            Driver(token)

@@ -196,6 +196,9 @@ def test_garbage_on_the_socket_is_refused_and_the_driver_serves_on(
         (b"GET /status HTTP/1.1\r\nX : a\r\n\r\n", 400),
         (b"GET /status HTTP/1.1\r\n: a\r\n\r\n", 400),
         (b"GET /status HTTP/2.0\r\n\r\n", 505),
+        (b"GET /status HTTP/0.9\r\n\r\n", 505),
+        (b"GET /status HTTP/1.x\r\n\r\n", 400),
+        (b"GET /status HTTP/1.1.1\r\n\r\n", 400),
         (b"GET /status HTTPS/1.1\r\n\r\n", 400),
         (b"GET /status\r\n\r\n", 400),
         (b"GET /status HTTP/1.1 more\r\n\r\n", 400),
@@ -207,6 +210,9 @@ def test_garbage_on_the_socket_is_refused_and_the_driver_serves_on(
         "space-before-colon",
         "no-name",
         "http2",
+        "http0.9",
+        "minor-not-a-number",
+        "three-numbers",
         "not-http",
         "no-version",
         "four-words",
@@ -281,17 +287,18 @@ def test_requests_on_one_connection_are_answered_in_turn_and_headers_ignore_case
 @pytest.mark.parametrize(
     ("version", "connection", "kept"),
     [
-        ("HTTP/1.1", None, True),
-        ("HTTP/1.1", "close", False),
-        ("HTTP/1.1", "Keep-Alive, close", False),
-        ("HTTP/1.0", None, False),
-        ("HTTP/1.0", "keep-alive", True),
+        ("HTTP/1.1", (), True),
+        ("HTTP/1.1", ("close",), False),
+        ("HTTP/1.1", ("Keep-Alive, close",), False),
+        ("HTTP/1.1", ("keep-alive", "close"), False),
+        ("HTTP/1.0", (), False),
+        ("HTTP/1.0", ("keep-alive",), True),
     ],
 )
 def test_the_connection_is_kept_as_the_request_asks(
-    driver: Driver, version: str, connection: str | None, kept: bool
+    driver: Driver, version: str, connection: tuple[str, ...], kept: bool
 ) -> None:
-    lines = [AUTH] + ([f"Connection: {connection}"] if connection else [])
+    lines = [AUTH] + [f"Connection: {c}" for c in connection]
     head = headers("GET", "/status", *lines).replace(b"HTTP/1.1", version.encode(), 1)
     with socket.create_connection(("127.0.0.1", driver.port), timeout=DEADLINE_S) as s:
         s.sendall(head)
@@ -303,6 +310,7 @@ def test_the_connection_is_kept_as_the_request_asks(
             with pytest.raises(TimeoutError):
                 s.recv(1)
         else:
+            assert fields["Connection"] == "close"
             assert s.recv(1) == b""
 
 
@@ -342,6 +350,40 @@ def test_a_trickling_body_is_cut_at_its_deadline(driver: Driver) -> None:
                 break
         assert closed
     wait_until(lambda: rejected(driver, "timeout") == before + 1, "the deadline counted")
+
+
+@pytest.mark.parametrize(
+    ("sent", "trickled"),
+    [
+        (b"", b"GET /" + b"a" * 1000),  # the request line, a byte at a time
+        (b"GET /status HTTP/1.1\r\n", b"X-Long: " + b"y" * 1000),  # one header line
+        (b"GET /status HTTP/1.1\r\n", b"".join(b"X-%d: y\r\n" % i for i in range(99))),
+    ],
+    ids=["request-line", "header-line", "header-lines"],
+)
+def test_a_trickling_head_is_cut_at_its_deadline(
+    driver: Driver, sent: bytes, trickled: bytes
+) -> None:
+    before = rejected(driver, "timeout")
+    with socket.create_connection(("127.0.0.1", driver.port), timeout=DEADLINE_S) as slow:
+        slow.sendall(sent + trickled[:1])
+        # a byte or a line every half read-timeout: no read times out, the deadline does
+        t0 = time.monotonic()
+        pieces = trickled.split(b"\n") if trickled.count(b"\n") > 1 else list(trickled[1:])
+        closed = False
+        for piece in pieces[: int(4 * IO_TIMEOUT_S / 0.5) + 20]:
+            try:
+                slow.sendall(bytes([piece]) if isinstance(piece, int) else piece + b"\n")
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.5 * IO_TIMEOUT_S)
+            if rejected(driver, "timeout") > before:
+                closed = True
+                break
+        assert closed and time.monotonic() - t0 < 4 * IO_TIMEOUT_S + 2.0
+    wait_until(lambda: rejected(driver, "timeout") == before + 1, "the deadline counted")
+    still_serves(driver)
 
 
 def test_past_max_connections_new_ones_are_closed_at_once() -> None:

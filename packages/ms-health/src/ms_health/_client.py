@@ -53,10 +53,13 @@ class JsonClient:
             port = parts.port
         except ValueError as e:  # not a number, or out of range
             raise ValueError(f"url must have a port in 0-65535, got {url!r}") from e
-        if not token.isprintable():
-            raise ValueError("token must be printable text without line breaks")
-        if not (parts.path.isascii() and parts.path.isprintable()) or " " in parts.path:
-            raise ValueError(f"url's path must be ASCII without spaces, got {url!r}")
+        if not (token.isascii() and token.isprintable()):
+            raise ValueError("token must be printable ASCII (no line breaks)")
+        _check_path("url's path", parts.path)
+        try:
+            parts.hostname.encode("idna")  # what the connect would do, failing there
+        except UnicodeError as e:
+            raise ValueError(f"url's host is not a valid host name, got {url!r}") from e
         self.url = url
         self._tls = parts.scheme == "https"
         self._host = parts.hostname
@@ -72,21 +75,27 @@ class JsonClient:
         ).encode()
         self._timeout_s = timeout_s
         self._sock: socket.socket | None = None
-        self._buf = b""  # bytes read past the last reply's head
+        self._buf = bytearray()  # bytes read but not yet taken
+        self._answered = False  # bytes of a reply to the request in flight came
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """(status, decoded JSON reply, ``{}`` if none); TransportError without an answer."""
+        """(status, decoded JSON reply, ``{}`` if none); TransportError without an answer.
+
+        A request that fails on a reused connection before any of its reply arrived is
+        sent once more on a new one (the server closed the old one); once a reply began,
+        it is not: the server may have acted on it."""
+        _check_path("path", path)
         data = json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
         reused = self._sock is not None
         try:
             return self._request(path, data)
-        except (OSError, _Garbled) as first:
+        except (OSError, ValueError, _Garbled) as first:  # ValueError: UnicodeError too
             self.close()
-            if not reused:
+            if not reused or self._answered:
                 raise TransportError(f"{type(first).__name__}: {first}") from first
         try:
             return self._request(path, data)
-        except (OSError, _Garbled) as second:
+        except (OSError, ValueError, _Garbled) as second:
             self.close()
             raise TransportError(f"{type(second).__name__}: {second}") from second
 
@@ -95,7 +104,7 @@ class JsonClient:
             with contextlib.suppress(OSError):
                 self._sock.close()
             self._sock = None
-        self._buf = b""
+        self._buf.clear()
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection((self._host, self._port), timeout=self._timeout_s)
@@ -113,7 +122,8 @@ class JsonClient:
     def _request(self, path: str, data: bytes) -> tuple[int, dict[str, Any]]:
         if self._sock is None:
             self._sock = self._connect()
-            self._buf = b""
+            self._buf.clear()
+        self._answered = False
         head = b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n" % (
             (self._base + path).encode("ascii"),
             self._headers,
@@ -132,21 +142,30 @@ class JsonClient:
             raise _Garbled(f"{len(self._buf)} unexpected bytes after the reply")
         return status, _reply(raw)
 
-    def _recv(self) -> bytes:
+    def _recv(self, *, close_ends: bool = False) -> bool:
+        """Read what has come into the buffer; False when the server closed the
+        connection and ``close_ends`` (else ConnectionResetError)."""
         assert self._sock is not None
         chunk = self._sock.recv(65536)
         if not chunk:
+            if close_ends:
+                return False
             raise ConnectionResetError("the server closed the connection")
-        return chunk
+        self._answered = True
+        self._buf += chunk
+        return True
 
     def _read_head(self) -> tuple[int, int | None, bool]:
         """(status, Content-Length or None, whether the server closes after this reply)."""
-        while (end := self._buf.find(b"\r\n\r\n")) < 0 and len(self._buf) <= MAX_REPLY_HEAD_BYTES:
-            self._buf += self._recv()
+        searched = 0
+        while (end := self._buf.find(b"\r\n\r\n", searched)) < 0:
+            if len(self._buf) > MAX_REPLY_HEAD_BYTES:
+                break
+            searched = max(0, len(self._buf) - 3)
+            self._recv()
         if not 0 <= end <= MAX_REPLY_HEAD_BYTES:
             raise _Garbled(f"a reply head longer than {MAX_REPLY_HEAD_BYTES} bytes")
-        head, self._buf = self._buf[:end], self._buf[end + 4 :]
-        lines = head.decode("latin-1").split("\r\n")
+        lines = self._take(end + 4)[:-4].decode("latin-1").split("\r\n")
         version, _, rest = lines[0].partition(" ")
         code = rest[:3]
         if not (
@@ -168,7 +187,8 @@ class JsonClient:
                 raise _Garbled(f"a header line without a colon: {line[:80]!r}")
             name, value = name.strip().lower(), value.strip()
             if name == "content-length":
-                if not (value.isascii() and value.isdigit()) or length not in (None, int(value)):
+                digits = value.isascii() and value.isdigit() and len(value) <= 18
+                if not digits or length not in (None, int(value)):
                     raise _Garbled(f"bad Content-Length {value[:40]!r}")
                 length = int(value)
             elif name == "transfer-encoding":
@@ -185,23 +205,22 @@ class JsonClient:
             length = 0
         return status, length, close
 
-    def _read_exactly(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            self._buf += self._recv()
-        raw, self._buf = self._buf[:n], self._buf[n:]
+    def _take(self, n: int) -> bytes:
+        """The buffer's first ``n`` bytes, removed from it."""
+        raw = bytes(self._buf[:n])
+        del self._buf[:n]
         return raw
 
+    def _read_exactly(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            self._recv()
+        return self._take(n)
+
     def _read_to_close(self) -> bytes:
-        assert self._sock is not None
-        chunks = [self._buf]
-        size = len(self._buf)
-        while chunk := self._sock.recv(65536):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > MAX_REPLY_BODY_BYTES:
+        while self._recv(close_ends=True):
+            if len(self._buf) > MAX_REPLY_BODY_BYTES:
                 raise _Garbled(f"a reply body of more than {MAX_REPLY_BODY_BYTES} bytes")
-        self._buf = b""
-        return b"".join(chunks)
+        return self._take(len(self._buf))
 
 
 class LocalApp(Protocol):
@@ -248,10 +267,16 @@ class LocalClient:
         return status, {"error": detail}
 
 
+def _check_path(name: str, path: str) -> None:
+    if not (path.isascii() and path.isprintable()) or " " in path:
+        raise ValueError(f"{name} must be printable ASCII without spaces, got {path!r}")
+
+
 def _reply(raw: bytes) -> dict[str, Any]:
-    """A reply's body as a JSON object (``{}`` when empty, not JSON, or not an object)."""
+    """A reply's body as a JSON object (``{}`` when empty, not JSON, nested too deeply
+    to decode, or not an object)."""
     try:
         reply = json.loads(raw) if raw else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return reply if isinstance(reply, dict) else {}

@@ -3,9 +3,10 @@
 The server knows nothing of heartbeats: it hands authenticated, size-checked requests
 to an :class:`App` (the driver) and turns every failure of a client into a refusal
 counted under a reason, never into a dead thread or server. One thread serves one
-connection (``ThreadingHTTPServer``); every socket read has a timeout and a body has
-a deadline, so a slow or silent client holds only its own thread, and only for a
-while; past ``max_connections`` new connections are closed at once.
+connection (``ThreadingHTTPServer``); every socket read has a timeout, and a request's
+head and its body each have a deadline, so a slow or silent client holds only its own
+thread, and only for a while; past ``max_connections`` new connections are closed at
+once.
 
 Requests are parsed here rather than by ``BaseHTTPRequestHandler.parse_request``, which
 reads headers through the ``email`` package: HTTP/1.0 and 1.1 only, header lines of
@@ -18,8 +19,10 @@ shares the ranks' cores on the node that hosts it.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
+import re
 import selectors
 import socket
 import threading
@@ -42,6 +45,8 @@ Response = tuple[int, bytes, str]
 #: The longest request or header line read, and the most header lines (the stdlib's).
 MAX_LINE_BYTES = 65536
 MAX_HEADERS = 100
+#: An HTTP version: its major and minor numbers.
+_VERSION = re.compile(r"HTTP/([0-9]{1,9})\.([0-9]{1,9})")
 
 
 def json_response(status: int, obj: Any) -> Response:
@@ -173,16 +178,22 @@ class _Handler(BaseHTTPRequestHandler):
     sys_version = ""
     server: Server
 
+    raw_requestline: bytes
+    _head_deadline: float
+
     def setup(self) -> None:
         _host.name_thread("http")  # this connection's thread
         self.request.settimeout(self.server.io_timeout_s)  # every read and write
         if self.request.family in (socket.AF_INET, socket.AF_INET6):
-            # Headers and body go out in two writes; with Nagle's algorithm the body
-            # would wait for the client's delayed ACK (40 ms on Linux) on every reply.
+            # A reply is one write, but a client's next request must not wait on
+            # Nagle's algorithm for the ACK of a previous segment (40 ms on Linux).
             self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._client = str(self.client_address[0])
         self._served = 0
         super().setup()
+        if not isinstance(self.rfile, io.BufferedReader):  # rbufsize -1: always one
+            raise TypeError(f"a buffered reader is needed, got {type(self.rfile).__name__}")
+        self._reader: io.BufferedReader = self.rfile
 
     # ---------------------------------------------------------------- plumbing
 
@@ -216,20 +227,67 @@ class _Handler(BaseHTTPRequestHandler):
         if status == 401:
             head.append('WWW-Authenticate: Bearer realm="ms-health"')
         if close:
-            head.append("Connection: close")
             self.close_connection = True
+        if self.close_connection:  # asked for, HTTP/1.0, or a refusal that ends it
+            head.append("Connection: close")
         try:
             self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
         except OSError:
             self.close_connection = True
 
+    def handle_one_request(self) -> None:
+        """Serve one request: the stdlib's, with the head read under a deadline."""
+        try:
+            # Waiting for a request to begin is bounded by the socket's timeout (an
+            # idle kept-alive connection is closed after it); from its first byte, the
+            # whole head must arrive within the same time.
+            if not self._reader.peek(1):
+                self.close_connection = True  # the client closed the connection
+                return
+            self._head_deadline = time.monotonic() + self.server.io_timeout_s
+            self.raw_requestline = self._read_line()
+            if not self.parse_request():
+                return
+            method = getattr(self, "do_" + self.command, None)
+            if method is None:
+                self.send_error(
+                    HTTPStatus.NOT_IMPLEMENTED, f"unsupported method {self.command[:20]!r}"
+                )
+                return
+            method()
+        except TimeoutError as e:  # as the stdlib's: log_error counts it, then close
+            self.log_error("Request timed out: %r", e)
+            self.close_connection = True
+
+    def _read_line(self) -> bytes:
+        """One line of the head, at most ``MAX_LINE_BYTES + 1`` bytes (one more: too
+        long), by reads that each wait at most the socket's timeout, none begun after
+        the head's deadline: a client trickling bytes cannot hold the thread longer."""
+        line = bytearray()
+        while len(line) <= MAX_LINE_BYTES:
+            if time.monotonic() > self._head_deadline:
+                raise TimeoutError("the request's head did not arrive in time")
+            ready = self._reader.peek(1)  # what is buffered, or one read of the socket
+            if not ready:
+                break  # the client closed the connection
+            room = MAX_LINE_BYTES + 1 - len(line)
+            end = ready.find(b"\n", 0, room)
+            line += self._reader.read(end + 1 if end >= 0 else min(len(ready), room))
+            if end >= 0:
+                break
+        return bytes(line)
+
     def parse_request(self) -> bool:
-        """Read the request line (already in ``raw_requestline``) and the headers; False
+        """Parse the request line (in ``raw_requestline``) and read the headers; False
         after refusing the request (or on an empty line, which ends the connection)."""
         self.command = None  # type: ignore[assignment]  # as the stdlib's, before a refusal
         self.request_version = self.default_request_version
         self.close_connection = True
-        raw_line: bytes = self.raw_requestline  # type: ignore[attr-defined]  # set by the stdlib
+        raw_line: bytes = self.raw_requestline
+        if len(raw_line) > MAX_LINE_BYTES:
+            self.requestline = ""
+            self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG, "request line too long")
+            return False
         line = str(raw_line, "iso-8859-1").rstrip("\r\n")
         self.requestline = line
         words = line.split()
@@ -239,9 +297,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_error(HTTPStatus.BAD_REQUEST, f"bad request line {line[:100]!r}")
             return False
         command, path, version = words
-        if not (version.startswith("HTTP/1.") and version[7:].isascii() and version[7:].isdigit()):
-            known = version.startswith("HTTP/") and version[5:6].isdigit()
-            code = HTTPStatus.HTTP_VERSION_NOT_SUPPORTED if known else HTTPStatus.BAD_REQUEST
+        number = _VERSION.fullmatch(version)
+        if number is None or int(number[1]) != 1:
+            # a version this server does not speak (505), or not a version at all (400)
+            code = (
+                HTTPStatus.BAD_REQUEST if number is None else HTTPStatus.HTTP_VERSION_NOT_SUPPORTED
+            )
             self.send_error(code, f"HTTP/1.0 or HTTP/1.1 only, got {version[:20]!r}")
             return False
         self.command, self.request_version = command, version
@@ -249,7 +310,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.path = "/" + path.lstrip("/") if path.startswith("//") else path
         headers = _Headers()
         while True:
-            raw = self.rfile.readline(MAX_LINE_BYTES + 1)
+            raw = self._read_line()
             if len(raw) > MAX_LINE_BYTES:
                 self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "header line too long")
                 return False
@@ -265,7 +326,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return False
             headers.add(name, value.strip())
         self.headers = headers  # type: ignore[assignment]  # get, get_all and in, as used
-        connection = {t.strip().lower() for t in (headers.get("Connection") or "").split(",")}
+        connection = {
+            t.strip().lower() for v in headers.get_all("Connection", []) or [] for t in v.split(",")
+        }
         self.close_connection = "close" in connection or (
             version == "HTTP/1.0" and "keep-alive" not in connection
         )
@@ -309,7 +372,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._refuse(401, "unauthorized", "missing bearer token", close=unread_body)
             return
         scheme, _, presented = auth.partition(" ")
-        if scheme.lower() != "bearer" or not app.check_token(presented.strip().encode()):
+        if scheme.lower() != "bearer" or not app.check_token(presented.strip().encode("latin-1")):
             self._refuse(401, "unauthorized", "wrong bearer token", close=unread_body)
             return
         url = urllib.parse.urlsplit(self.path)

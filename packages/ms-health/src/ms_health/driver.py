@@ -120,8 +120,8 @@ class Driver:
         max_events: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(token, str) or not token:
-            raise ValueError("token must be a non-empty string")
+        if not (isinstance(token, str) and token and token.isascii() and token.isprintable()):
+            raise ValueError("token must be a non-empty string of printable ASCII")
         self._token = token.encode()
         self._detectors = list(detectors)
         names = set()
