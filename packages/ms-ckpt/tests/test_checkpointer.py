@@ -384,3 +384,32 @@ def test_stage1_waits_for_the_current_stream_only(tmp_path: Path) -> None:
         ckpt.load(got)
     side_done.synchronize()
     assert torch.equal(got["w"], torch.arange(1 << 20, dtype=torch.float32) * 9)
+
+
+def test_optional_keys_may_be_missing_from_an_older_checkpoint(tmp_path) -> None:
+    class Plan:
+        def __init__(self) -> None:
+            self.plan = {"a": 1}
+            self.loaded = False
+
+        def state_dict(self) -> dict:
+            return {"plan": dict(self.plan)}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.plan, self.loaded = dict(state["plan"]), True
+
+    with Checkpointer(str(tmp_path), stage2="inline") as ckpt:
+        ckpt.save(1, {"w": torch.ones(3), "step": 1}).wait()
+        state = {"w": torch.zeros(3), "step": 0, "plan": Plan()}
+        with pytest.raises(CheckpointError, match=r"state\['plan'\]: not in the checkpoint"):
+            ckpt.load(state)
+        assert ckpt.load(state, optional=("plan",)) == 1
+        assert torch.equal(state["w"], torch.ones(3)) and state["step"] == 1
+        assert not state["plan"].loaded  # left as it is
+        ckpt.save(2, {"w": torch.full((3,), 2.0), "step": 2, "plan": Plan()}).wait()
+        fresh = {"w": torch.zeros(3), "step": 0, "plan": Plan()}
+        fresh["plan"].plan = {}
+        assert ckpt.load(fresh, optional=("plan",)) == 2
+        assert fresh["plan"].loaded and fresh["plan"].plan == {"a": 1}
+        with pytest.raises(TypeError, match="optional must be a collection of key names"):
+            ckpt.load(fresh, optional="plan")

@@ -283,7 +283,9 @@ def rank_save_parts(root: str) -> None:
         ckpt.save(1, state).wait(timeout=DEADLINE)
 
 
-def test_load_refuses_a_changed_model_parallel_layout(tmp_path: Path) -> None:
+def test_load_refuses_state_the_parts_hold_differently_under_a_changed_part_count(
+    tmp_path: Path,
+) -> None:
     root = str(tmp_path / "ckpt")
     run_ranks(rank_save_parts, 4, args=(root,), timeout=120)
     manifest = json.loads((tmp_path / "ckpt" / "step-00000001" / "manifest.json").read_text())
@@ -295,10 +297,15 @@ def test_load_refuses_a_changed_model_parallel_layout(tmp_path: Path) -> None:
     ]
     (rec,) = [r for r in manifest["records"] if r["part"] == 1]
     assert rec["file"] in ("rank-00002.bin", "rank-00003.bin")
+    # Each part saved its own plain "bf16" (0s and 1s): one part cannot tell which to take.
     errors = run_ranks(rank_parts_changed, 2, args=(root,), timeout=120)
     for e in errors:
-        assert "number of model-parallel parts changed" in e
-        assert "has 2 (world 4, data-parallel size 2)" in e and "has 1 (world 2" in e
+        assert (
+            "the number of model-parallel parts changed from 2 (world 4, data-parallel size "
+            "2) to 1 (world 2, data-parallel size 2), and state['bf16'] cannot follow it: "
+            "each part saved a copy of its own, and the bytes of parts 0 and 1 differ"
+        ) in e
+        assert "load it with 2 parts" in e
 
 
 def rank_faults(root: str) -> dict[str, Any]:

@@ -229,7 +229,8 @@ def test_one_process_without_a_group_matches_plain_training(accum):
     for name, p in net.named_parameters():
         torch.testing.assert_close(p.detach(), ref_params[name], rtol=1e-5, atol=1e-6)
     state = zero.optimizer_state_dict(opt)
-    assert all(type(v) is torch.Tensor for e in state["buckets"].values() for v in e.values())
+    assert all(type(v) is torch.Tensor for e in state["params"].values() for v in e.values())
+    assert set(state["params"]) == {n for n, _ in net.named_parameters()}
 
 
 def _dropped_wrapper_is_freed(distributed: bool) -> tuple[bool, bool]:

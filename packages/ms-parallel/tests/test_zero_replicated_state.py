@@ -61,25 +61,26 @@ def _rank_save(replicated: int):
     state = zero.optimizer_state_dict(opt)
     placements = {}
     for b in zero.buckets:
-        for value in state["buckets"][f"bucket{b.layout.index}"].values():
-            if zero.group is None:
-                assert type(value) is torch.Tensor
-                continue
-            assert isinstance(value, DTensor)
-            placements[b.layout.index] = (b.replicated, value.placements)
+        for s in b.layout.slots:
+            for value in state["params"][s.name].values():
+                if zero.group is None:
+                    assert type(value) is torch.Tensor
+                    continue
+                assert isinstance(value, DTensor)
+                placements[s.name] = (b.replicated, value.dim(), value.placements)
     whole = {
-        b: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in e.items()}
-        for b, e in state["buckets"].items()
+        n: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in e.items()}
+        for n, e in state["params"].items()
     }
     zero.gather_params()
     params = {n: p.detach().clone() for n, p in net.named_parameters()}
-    return losses, {**state, "buckets": whole}, params, placements
+    return losses, {**state, "params": whole}, params, placements
 
 
 def _rank_resume(replicated: int, saved, params):
     """Resume from ``saved`` three ways: whole tensors; DTensors placed as this run's
-    own state is (what a resharding checkpointer hands back); and every bucket as
-    ``Shard(0)``, replicated ones included (each rank must gather those)."""
+    own state is (what a resharding checkpointer hands back); and every parameter's as
+    ``Shard(0)``, replicated chunks' included (each rank must gather those)."""
     out = {}
     for how in ("whole", "live", "sharded"):
         net = make_net(seed=123)  # other weights: everything must come from the checkpoint
@@ -91,16 +92,18 @@ def _rank_resume(replicated: int, saved, params):
             live = zero.optimizer_state_dict(opt)  # created as a checkpointer would see it
             state = {
                 **saved,
-                "buckets": {
-                    b: {
+                "params": {
+                    n: {
                         k: distribute_tensor(
                             v,
                             mesh,
-                            live["buckets"][b][k].placements if how == "live" else [Shard(0)],
+                            live["params"][n][k].placements
+                            if how == "live" or v.dim() == 0
+                            else [Shard(0)],
                         )
                         for k, v in e.items()
                     }
-                    for b, e in saved["buckets"].items()
+                    for n, e in saved["params"].items()
                 },
             }
         zero.load_optimizer_state_dict(opt, state)
@@ -133,9 +136,10 @@ def test_resume_with_other_replicated_chunks(before, after, uninterrupted):
         _rank_save, before[0], args=(before[1],), timeout=120
     )[0]
     assert losses == pytest.approx(ref_losses[:DONE], rel=1e-5)
-    assert any(r for r, _ in placements.values()) == (before[1] > 0)
-    for replicated, placement in placements.values():
-        assert placement == ((Replicate(),) if replicated else (Shard(0),))
+    assert any(r for r, _, _ in placements.values()) == (before[1] > 0)
+    for replicated, dim, placement in placements.values():
+        # A replicated chunk's parameter (or a 0-dim one) is whole on every rank.
+        assert placement == ((Replicate(),) if replicated or dim == 0 else (Shard(0),))
     for resumed in run_ranks(_rank_resume, after[0], args=(after[1], saved, params), timeout=180):
         for how, (rest, final) in resumed.items():
             assert rest == pytest.approx(ref_losses[DONE:], rel=1e-5), how

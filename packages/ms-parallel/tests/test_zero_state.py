@@ -1,5 +1,6 @@
-"""ZeRO's optimizer state as DTensor: saved at one DP size, loaded at another, training
-continues as if uninterrupted; and the step engines agree with one process."""
+"""ZeRO's optimizer state as DTensor, keyed by parameter name: saved at one DP size (or
+bucket size), loaded at another, training continues as if uninterrupted; 0.3's
+per-bucket form still loads; and the step engines agree with one process."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ms_testing.dist import run_ranks
 
@@ -51,17 +52,23 @@ def _rank_save(steps: int, bucket_mb: float, single: bool = False):
     opt = zero.attach_optimizer(adamw(zero.optimizer_param_groups()))
     losses = _train(zero, opt, batches(steps, BATCH))
     state = zero.optimizer_state_dict(opt)
-    for entries in state["buckets"].values():
+    assert state["format"] == 2
+    shapes = dict((n, p.shape) for n, p in net.named_parameters())
+    assert set(state["params"]) == set(shapes)
+    for name, entries in state["params"].items():
+        assert set(entries) == {"exp_avg", "exp_avg_sq"}, name
         for value in entries.values():
-            if single:  # no mesh: plain tensors of the whole bucket
+            assert value.shape == shapes[name], name  # the parameter's own shape
+            if single:  # no mesh: plain tensors
                 assert type(value) is torch.Tensor
             else:
-                assert isinstance(value, DTensor) and value.placements == (Shard(0),)
+                want = (Shard(0),) if value.dim() else (Replicate(),)
+                assert isinstance(value, DTensor) and value.placements == want, name
     full = {
         **state,
-        "buckets": {
-            b: {k: v if single else v.full_tensor() for k, v in e.items()}
-            for b, e in state["buckets"].items()
+        "params": {
+            n: {k: v if single else v.full_tensor() for k, v in e.items()}
+            for n, e in state["params"].items()
         },
     }
     zero.gather_params()
@@ -73,13 +80,16 @@ def _rank_resume(total: int, done: int, bucket_mb: float, saved, params, as_dten
     net.load_state_dict(params)
     zero = ZeroDataParallel(net, dist.group.WORLD, bucket_mb=bucket_mb)
     opt = zero.attach_optimizer(adamw(zero.optimizer_param_groups()))
-    if as_dtensor:  # as a resharding checkpointer hands it back: DTensors on this mesh
+    if as_dtensor and saved["format"] == 2:  # as a resharding checkpointer hands it back
         mesh = zero.device_mesh()
         saved = {
             **saved,
-            "buckets": {
-                b: {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in e.items()}
-                for b, e in saved["buckets"].items()
+            "params": {
+                n: {
+                    k: distribute_tensor(v, mesh, [Shard(0) if v.dim() else Replicate()])
+                    for k, v in e.items()
+                }
+                for n, e in saved["params"].items()
             },
         }
     zero.load_optimizer_state_dict(opt, saved)
@@ -114,22 +124,52 @@ def test_resume_at_another_dp_size(before, after, whole_run):
             torch.testing.assert_close(rest[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _rank_layout_mismatch():
+def _rank_layout_free():
     zero = ZeroDataParallel(make_net(), dist.group.WORLD, bucket_mb=0.002)
     opt = zero.attach_optimizer(adamw(zero.optimizer_param_groups()))
-    state = zero.optimizer_state_dict(opt)  # created before any step: zeros, step 0
+    _train(zero, opt, batches(2, BATCH))
+    state = zero.optimizer_state_dict(opt)
+    # Another bucket size is another layout: the state, keyed by name, loads anyway.
     other = ZeroDataParallel(make_net(), dist.group.WORLD, bucket_mb=25.0)
     other_opt = other.attach_optimizer(adamw(other.optimizer_param_groups()))
-    with pytest.raises(ValueError, match="another bucket layout"):
-        other.load_optimizer_state_dict(other_opt, state)
+    assert len(other.buckets) < len(zero.buckets)
+    other.load_optimizer_state_dict(other_opt, state)
+    again = other.optimizer_state_dict(other_opt)
+    for name, entries in state["params"].items():
+        for key, value in entries.items():
+            assert torch.equal(again["params"][name][key].full_tensor(), value.full_tensor())
     with pytest.raises(ValueError, match="format"):
         other.load_optimizer_state_dict(other_opt, {"format": 99})
-    return sorted(next(iter(state["buckets"].values())))
+    renamed = {**state, "params": {**state["params"], "gone.weight": {}}}
+    with pytest.raises(ValueError, match=r"parameters this model does not have: \['gone.weight'\]"):
+        other.load_optimizer_state_dict(other_opt, renamed)
+    fresh = ZeroDataParallel(make_net(), dist.group.WORLD, bucket_mb=0.002)
+    fresh_opt = fresh.attach_optimizer(adamw(fresh.optimizer_param_groups()))
+    before = fresh.optimizer_state_dict(fresh_opt)  # created before any step: zeros, step 0
+    return sorted(next(iter(before["params"].values())))
 
 
-def test_state_before_the_first_step_and_layout_mismatch():
-    keys = run_ranks(_rank_layout_mismatch, 2, timeout=60)
+def test_state_is_layout_free_and_refusals():
+    keys = run_ranks(_rank_layout_free, 2, timeout=60)
     assert keys[0] == keys[1] == ["exp_avg", "exp_avg_sq"]
+
+
+@pytest.mark.slow
+def test_a_format_1_state_from_0_3_resumes_as_if_uninterrupted(whole_run):
+    # Written by ms-parallel 0.3.0 after 3 steps of _rank_save at DP 2 (bucket_mb 0.002):
+    # its per-bucket optimizer state (whole tensors) and the model's parameters.
+    saved = torch.load(HERE / "data" / "zero_state_format1.pt", weights_only=False)
+    assert saved["optim"]["format"] == 1
+    for bucket_mb in (0.002, 25.0):  # its own layout, and another
+        rest = run_ranks(
+            _rank_resume,
+            2,
+            args=(6, 3, bucket_mb, saved["optim"], saved["model"], False),
+            timeout=120,
+        )[0]
+        assert rest[0] == pytest.approx(whole_run[0][3:], rel=1e-5)
+        for name, value in whole_run[2].items():
+            torch.testing.assert_close(rest[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _make(groups, shards):

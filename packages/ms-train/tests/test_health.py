@@ -1,9 +1,9 @@
 """ms-health around ms-train, the hard way: 2 simulated nodes x 2 ranks (two launchers
 on localhost, c10d rendezvous, one health driver), ms-train's small model, real faults:
 
-- a rank SIGKILLed mid-run, then a NaN at a later step: the crash is detected and the
-  job restarted from the newest checkpoint; the NaN is detected at its step and the job
-  rolls back to the checkpoint before it; training completes;
+- a rank SIGKILLed mid-run, then a NaN at a later step, at DP 2 x TP 2: the crash is
+  detected and the job restarted from the newest checkpoint; the NaN is detected at its
+  step and the job rolls back to the checkpoint before it; training completes;
 - a rank SIGSTOPped (a hang), then in the same job a rank spinning in C with the GIL
   held: each is named as the suspect (the one that cannot answer for its stacks, the
   one that answers from inside its step), ended (the stopped one is gone afterwards;
@@ -71,6 +71,7 @@ class Job(HealthJob):
         width: int = 32,
         log_every: int = 1,
         every: int = 5,
+        tp: int = 1,
         **kwargs: Any,
     ) -> None:
         config = write_train_config(
@@ -80,8 +81,9 @@ class Job(HealthJob):
             steps=steps,
             every=every,
             width=width,
-            micro_batch=width // 16,  # global batch = micro-batch x 4 ranks
+            micro_batch=width // 16 * tp,  # global batch = micro-batch x 4 / tp replicas
             log_every=log_every,
+            tp=tp,
         )
         super().__init__(tmp, config, tmp / "run", faults, interval_s=interval_s, **kwargs)
         self.progress = Progress(self.out)
@@ -103,8 +105,10 @@ def _kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(600)
 def test_a_killed_rank_and_a_nan_are_recovered(corpus: Path, tmp_path: Path) -> None:
+    # At DP 2 x TP 2 (each node one TP pair): recovered as at DP 4, which the other
+    # tests here run.
     steps, nan_at = 40, 27
-    job = Job(tmp_path, corpus, steps, f"nan:2:{nan_at}")
+    job = Job(tmp_path, corpus, steps, f"nan:2:{nan_at}", tp=2)
     job.wait_step(12)
     os.kill(job.rank_pid(3, DEADLINE), signal.SIGKILL)
     output = job.finish()

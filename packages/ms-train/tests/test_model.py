@@ -11,7 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ms_train.config import ConfigError, ModelConfig
-from ms_train.model import GELU_APPROXIMATE, GPT, derive_seed, init_parameters, initial_value
+from ms_train.model import (
+    GELU_APPROXIMATE,
+    GPT,
+    derive_seed,
+    init_parameters,
+    initial_value,
+    qkv_head_major,
+    upgrade_state_dict,
+)
 
 TINY: dict[str, Any] = {"vocab_size": 50, "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16}
 
@@ -83,7 +91,8 @@ class RefBlock(nn.Module):
 
 
 class ReferenceGPT(nn.Module):
-    """Plain PyTorch, explicit-softmax attention with a boolean mask; GPT's state_dict keys."""
+    """Plain PyTorch, explicit-softmax attention with a boolean mask; ms-train 0.4's
+    state_dict keys and QKV row order (q | k | v), which a GPT loads."""
 
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
@@ -129,10 +138,11 @@ def test_matches_reference(
     block: str, window: int | None, tie: bool, dtype: torch.dtype, tol: float
 ) -> None:
     config = tiny(block=block, window=window, tie_embeddings=tie, seed=3)
-    model = GPT(config, dtype=dtype)
     reference = ReferenceGPT(config).to(dtype)
-    reference.load_state_dict(model.state_dict(), strict=True)
-    assert set(dict(model.named_parameters())) == set(dict(reference.named_parameters()))
+    model = GPT(config, dtype=dtype)
+    # A 0.4 state dict (the reference's) loads: keys renamed, QKV rows permuted.
+    model.load_state_dict(reference.state_dict(), strict=True)
+    assert len(dict(model.named_parameters())) == len(dict(reference.named_parameters()))
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (3, 8), generator=gen)
@@ -142,10 +152,38 @@ def test_matches_reference(
 
     assert logits.shape == (3, 8, config.vocab_size) and logits.dtype == dtype
     torch.testing.assert_close(logits, ref_logits, rtol=tol, atol=tol)
+    upgrade_state_dict(ref_grads, config.n_heads)  # the same names and row order
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=tol, atol=tol, msg=name)
         assert grad.abs().sum() > 0, name  # every parameter is used
+
+
+def test_qkv_rows_are_head_major_and_the_permutation_inverts() -> None:
+    c = tiny()
+    d, h, hd = c.d_model, c.n_heads, c.head_dim
+    legacy = torch.arange(3 * d, dtype=torch.float64).unsqueeze(1).expand(3 * d, 2)
+    new = qkv_head_major(legacy, h)
+    # row (head i, part j, e) of the new order is row (j, i, e) of 0.4's
+    for i in range(h):
+        for j in range(3):
+            rows = new[(i * 3 + j) * hd : (i * 3 + j + 1) * hd, 0]
+            start = j * d + i * hd
+            assert torch.equal(rows, torch.arange(start, start + hd, dtype=torch.float64))
+    assert torch.equal(qkv_head_major(new, h, inverse=True), legacy)
+    with pytest.raises(ValueError, match=r"3 \* n_heads \* head_dim rows \(n_heads = 4\)"):
+        qkv_head_major(torch.zeros(10), h)
+
+
+def test_a_04_state_dict_upgrades_and_todays_is_left_alone() -> None:
+    model = GPT(tiny(tie_embeddings=False))
+    today = model.state_dict()
+    assert not upgrade_state_dict(dict(today), 4)
+    old = ReferenceGPT(tiny(tie_embeddings=False)).state_dict()
+    assert {"tok_emb.weight", "pos_emb.weight", "ln_f.weight", "head.weight"} <= set(old)
+    assert upgrade_state_dict(old, 4)
+    assert set(old) == set(today)
+    assert "embed.tok_emb.weight" in old and "head.proj.weight" in old
 
 
 def test_loss_is_mean_cross_entropy() -> None:
@@ -186,18 +224,20 @@ def test_window_limits_attention() -> None:
 
 def test_weight_tying() -> None:
     tied = GPT(tiny(tie_embeddings=True), dtype=torch.float64)
-    assert tied.output_weight is tied.tok_emb.weight
-    assert tied.head is None and "head.weight" not in tied.state_dict()
+    assert tied.output_weight is tied.embed.tok_emb.weight
+    assert tied.head.proj is None
+    assert not any(k.startswith("head.proj") for k in tied.state_dict())
     names = [n for n, _ in tied.named_parameters()]
-    assert names.count("tok_emb.weight") == 1
+    assert names.count("embed.tok_emb.weight") == 1
+    assert sum(p is tied.embed.tok_emb.weight for p in tied.parameters()) == 1
 
     # The tied gradient is the sum of the gradients of its two uses: compare with an
     # untied model holding the same values in both places.
     untied = GPT(tiny(tie_embeddings=False), dtype=torch.float64)
     state = tied.state_dict()
-    state["head.weight"] = state["tok_emb.weight"].clone()
+    state["head.proj.weight"] = state["embed.tok_emb.weight"].clone()
     untied.load_state_dict(state)
-    assert untied.output_weight is not untied.tok_emb.weight
+    assert untied.output_weight is not untied.embed.tok_emb.weight
 
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 10, (2, 8), generator=gen)  # ids >= 10 reach only the head
@@ -205,10 +245,11 @@ def test_weight_tying() -> None:
     logits, grads = _run(tied, tokens, weights)
     untied_logits, untied_grads = _run(untied, tokens, weights)
     torch.testing.assert_close(logits, untied_logits, rtol=0, atol=0)
-    emb_part, head_part = untied_grads["tok_emb.weight"], untied_grads["head.weight"]
+    emb_part = untied_grads["embed.tok_emb.weight"]
+    head_part = untied_grads["head.proj.weight"]
     assert emb_part[:10].abs().sum() > 0 and emb_part[10:].abs().sum() == 0
     assert head_part.abs().sum() > 0
-    torch.testing.assert_close(grads["tok_emb.weight"], emb_part + head_part)
+    torch.testing.assert_close(grads["embed.tok_emb.weight"], emb_part + head_part)
 
 
 def test_init_is_deterministic_and_by_name() -> None:
@@ -235,7 +276,7 @@ def test_init_is_deterministic_and_by_name() -> None:
     init_parameters(b, config)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     other = GPT(tiny(tie_embeddings=False, seed=8))
-    assert not torch.equal(a.tok_emb.weight, other.tok_emb.weight)
+    assert not torch.equal(a.embed.tok_emb.weight, other.embed.tok_emb.weight)
     assert not torch.equal(
         a.get_parameter("blocks.0.attn.qkv.weight"), other.get_parameter("blocks.0.attn.qkv.weight")
     )
@@ -243,6 +284,22 @@ def test_init_is_deterministic_and_by_name() -> None:
     assert not torch.equal(
         a.get_parameter("blocks.0.attn.qkv.weight"), a.get_parameter("blocks.1.attn.qkv.weight")
     )
+
+
+def test_weights_start_as_04s_did() -> None:
+    # Seeds come from 0.4's names and QKV is drawn in its order, then permuted.
+    config = tiny(tie_embeddings=False, seed=5)
+    model = GPT(config)
+    assert torch.equal(
+        model.embed.tok_emb.weight,
+        initial_value("embed.tok_emb.weight", (50, 32), config),
+    )
+    g = torch.Generator().manual_seed(derive_seed(5, "tok_emb.weight"))
+    drawn = torch.empty(50, 32).normal_(0.0, config.init_std, generator=g)
+    assert torch.equal(model.embed.tok_emb.weight, drawn)
+    g = torch.Generator().manual_seed(derive_seed(5, "blocks.1.attn.qkv.weight"))
+    drawn = torch.empty(96, 32).normal_(0.0, config.init_std, generator=g)
+    assert torch.equal(model.get_parameter("blocks.1.attn.qkv.weight"), qkv_head_major(drawn, 4))
 
 
 def test_derive_seed_is_stable() -> None:
@@ -270,7 +327,7 @@ def test_init_statistics() -> None:
     for name, p in model.named_parameters():
         if name.endswith(".bias"):
             assert torch.count_nonzero(p) == 0, name
-        elif ".ln" in name or name.startswith("ln_f"):
+        elif ".ln" in name:
             assert torch.all(p == 1), name
     for module in model.modules():
         if isinstance(module, nn.LayerNorm):

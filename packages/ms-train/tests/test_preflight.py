@@ -305,7 +305,7 @@ def test_a_resumed_checkpoint_of_another_model_is_refused(
         [*tiny, "--set", "train.steps=6", "--set", "model.d_model=64"],
         f"checkpoint.dir '{out / 'ckpt'}'",
         "step 3 holds another model",
-        "model/tok_emb.weight is [257, 128] there, [257, 64] with this config",
+        "model/embed.tok_emb.weight is [257, 128] there, [257, 64] with this config",
         "model.d_model = 128 there, 64 here",
     )
     assert "\n" not in line

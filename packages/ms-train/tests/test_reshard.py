@@ -238,7 +238,9 @@ def test_a_2_rank_checkpoint_resumes_on_n_ranks(
     # RNG: at the first resumed step, the saved state (same size) or the rule's.
     said = resumed[0]["said"]
     assert f"resumed from step {SAVED}" in said
-    assert ("rng: the checkpoint was saved at another data-parallel size" in said) == (nproc != 2)
+    assert ("rng: the checkpoint was saved at another data- or tensor-parallel size" in said) == (
+        nproc != 2
+    )
     for rank, r in enumerate(resumed):
         at_resume = r["rng_at"][SAVED]
         if nproc == 2:

@@ -143,8 +143,8 @@ def _cli(config_file: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "ms_train.cli", "--config", str(config_file), *args]
 
 
-def _write_toml(path: Path, corpus: Path, out: Path, steps: int, every: int) -> None:
-    write_train_config(path, shards=corpus, out_dir=out, steps=steps, every=every)
+def _write_toml(path: Path, corpus: Path, out: Path, steps: int, every: int, tp: int = 1) -> None:
+    write_train_config(path, shards=corpus, out_dir=out, steps=steps, every=every, tp=tp)
 
 
 def _train_2_ranks(config_file: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -165,15 +165,19 @@ def _losses(out: Path) -> list[tuple[int, float, float]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_sigkill_and_resume_matches_an_uninterrupted_run(corpus: Path, tmp_path: Path) -> None:
-    """2 ranks through torchrun; the whole job (launcher and ranks) is SIGKILLed mid-run
-    once a checkpoint has committed; the rerun resumes from the newest committed one and
-    every loss equals the uninterrupted run's, bit for bit."""
-    steps, every, kill_after = 60, 10, 15
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_sigkill_and_resume_matches_an_uninterrupted_run(
+    corpus: Path, tmp_path: Path, tp: int
+) -> None:
+    """2 ranks through torchrun, data- or tensor-parallel; the whole job (launcher and
+    ranks) is SIGKILLed mid-run once a checkpoint has committed; the rerun resumes from
+    the newest committed one and every loss equals the uninterrupted run's, bit for bit
+    (under TP with the checkpoint's chunk plan)."""
+    steps, every, kill_after = 30, 5, 12
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     for out in (whole, cut):
-        _write_toml(tmp_path / f"{out.name}.toml", corpus, out, steps, every)
+        _write_toml(tmp_path / f"{out.name}.toml", corpus, out, steps, every, tp)
 
     done = _train_2_ranks(tmp_path / "whole.toml", env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -344,7 +348,9 @@ def test_a_given_loader_replaces_the_node_loader(corpus: Path, tmp_path: Path) -
 
 
 def test_trainer_refuses_what_it_cannot_run(corpus: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"parallel.tp = 2 .* data parallelism only"):
+    with pytest.raises(ConfigError, match=r"parallel.pp = 2: this trainer runs data and tensor"):
+        Trainer(_config(corpus, tmp_path, "parallel.pp=2"))
+    with pytest.raises(ConfigError, match=r"world size \(1\) must be a multiple of parallel.tp"):
         Trainer(_config(corpus, tmp_path, "parallel.tp=2"))
     with pytest.raises(ConfigError, match=r"model.vocab_size \(100\) is smaller"):
         Trainer(_config(corpus, tmp_path, "model.vocab_size=100"))

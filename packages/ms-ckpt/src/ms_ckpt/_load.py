@@ -3,9 +3,10 @@
 In order, with every rank agreeing after each phase so that nobody waits in a
 collective for a rank that gave up:
 
-1. plan (no I/O): the layout can take the checkpoint (else which dimension changed),
-   every tensor of the live state matches the checkpoint's dtype and (global) shape, and
-   each sharded or DTensor value's region on this rank picks the saved pieces it needs;
+1. plan (no I/O): the layout can take the checkpoint (per-rank values, and under another
+   number of parts what the saved parts do not hold alike, are refused by key), every
+   tensor of the live state matches the checkpoint's dtype and (global) shape, and each
+   sharded or DTensor value's region on this rank picks the saved pieces it needs;
 2. split the reads over the DP group: every replicated record and every piece that two
    or more ranks of the group need is read by one of them (``_plan.assign_readers``),
    a piece one rank needs by that rank, per-rank records by their rank;
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 import zstandard
 
-from ms_ckpt import _boxes, _dtensor, _plan, _reader, _tree
+from ms_ckpt import _boxes, _dtensor, _parts, _plan, _reader, _tree
 from ms_ckpt import _layout as L
 from ms_ckpt._boxes import Box
 from ms_ckpt._plan import Layout
@@ -51,6 +52,7 @@ class _Target:
 
 @dataclass
 class _Plan:
+    source: int  # the saved part this rank's part loads (``_parts.source``)
     tree: dict[str, Any]
     per_rank: dict[str, dict[str, Any]]
     replicated: list[dict[str, Any]]
@@ -102,15 +104,18 @@ def _plan_load(
     """Phase 1 on this rank; raises CheckpointError (not yet agreed with the others)."""
     world = manifest["world"]
     parts = manifest["parts"]
-    part = parts[layout.part] if len(parts) == layout.parts else None
-    per_rank_keys = sorted(part["per_rank"]) if part else []
+    moved = len(parts) != layout.parts  # another tensor- or pipeline-parallel size
+    source = _parts.source(manifest, layout.parts, layout.part)
+    part = parts[source]
+    per_rank_keys = sorted({k for p in parts for k in p["per_rank"]} if moved else part["per_rank"])
     err = _plan.layout_error(world, layout, [] if keep_per_rank else per_rank_keys)
-    if err is not None or part is None:
-        raise CheckpointError(err or "layout mismatch")
-    # Under another DP size, DP rank i of this job is not DP rank i of the saving job:
-    # its per-rank values stay out (the caller asked to keep its live ones).
-    resized = world["dp_size"] != layout.dp_size
-    records = [r for r in manifest["records"] if r["part"] == layout.part]
+    err = err or _parts.reshard_error(manifest, layout)
+    if err is not None:
+        raise CheckpointError(err)
+    # Under another layout, DP rank i of this job is not DP rank i of the saving job's
+    # part: its per-rank values stay out (the caller asked to keep its live ones).
+    resized = moved or world["dp_size"] != layout.dp_size
+    records = [r for r in manifest["records"] if r["part"] == source]
     replicated = [r for r in records if "dp_rank" not in r]
     own = [
         r
@@ -120,7 +125,7 @@ def _plan_load(
     # A DTensor's pieces may come from any part its mesh spans (tensor parallelism).
     boxed: dict[str, list[dict[str, Any]]] = {}
     for r in manifest["records"]:
-        if _boxes.is_piece(r) and layout.part in _boxes.parts_of(r):
+        if _boxes.is_piece(r) and source in _boxes.parts_of(r):
             boxed.setdefault(r["key"], []).append(r)
     live: dict[str, Any] = {}
     _tree.walk_live(state, live.__setitem__)
@@ -148,7 +153,7 @@ def _plan_load(
     # An absent per-rank subtree leaves the live value as it is (_tree.restore).
     subtrees = {} if resized else {k: v[layout.dp_rank] for k, v in part["per_rank"].items()}
     _tree.check(state, part["tree"], _tree.Values(placeholders, subtrees))
-    return _Plan(part["tree"], subtrees, replicated, own, pieces, targets)
+    return _Plan(source, part["tree"], subtrees, replicated, own, pieces, targets)
 
 
 def _meta(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
@@ -170,10 +175,10 @@ def _split_reads(plan: _Plan, manifest: dict[str, Any], layout: Layout, broadcas
         plan.owner = {id(r): me for r in plan.replicated}
         return
     index = {id(r): i for i, r in enumerate(manifest["records"])}
-    # Every rank of the DP group has the same part, so the same pieces in scope: skip the
-    # exchange together when there are none.
+    # Every rank of the DP group has the same part, so the same source and the same pieces
+    # in scope: skip the exchange together when there are none.
     scoped = any(
-        _boxes.is_piece(r) and layout.part in _boxes.parts_of(r) for r in manifest["records"]
+        _boxes.is_piece(r) and plan.source in _boxes.parts_of(r) for r in manifest["records"]
     )
     needs: list[Any] = [[index[i] for i in mine]]
     if scoped:

@@ -207,20 +207,29 @@ def broadcast_object(obj: Any, layout: Layout) -> Any:
 
 
 def layout_error(saved: dict[str, Any], layout: Layout, per_rank: list[str]) -> str | None:
-    """Why a checkpoint saved with world ``saved`` cannot load into ``layout``, or None."""
-    parts = saved.get("parts", 1)
-    if parts != layout.parts:
-        return (
-            f"the number of model-parallel parts changed: the checkpoint has {parts} "
-            f"(world {saved['world_size']}, data-parallel size {saved['dp_size']}), this "
-            f"job has {layout.parts} (world {layout.world_size}, data-parallel size "
-            f"{layout.dp_size}); only the data-parallel size can change on load"
-        )
-    if saved["dp_size"] != layout.dp_size and per_rank:
-        return (
-            f"the data-parallel size changed from {saved['dp_size']} to {layout.dp_size} "
-            f"and {', '.join(repr(k) for k in per_rank)} is per-rank (one value per "
-            "data-parallel rank), which cannot be resharded; load with the same "
-            "data-parallel size, or with per_rank='keep' to keep the live per-rank values"
-        )
+    """Why the per-rank values ``per_rank`` of a checkpoint saved with world ``saved``
+    cannot load into ``layout``, or None. Whether the rest can follow a changed number
+    of parts is ``_parts.reshard_error``'s to say."""
+    if not per_rank:
+        return None
+    keys = ", ".join(repr(k) for k in per_rank)
+    why = (
+        f"and {keys} is per-rank (one value per data-parallel rank of a part), which "
+        "cannot be resharded; load with the same layout, or with per_rank='keep' to keep "
+        "the live per-rank values"
+    )
+    if saved.get("parts", 1) != layout.parts:
+        return f"{parts_changed(saved, layout)} {why}"
+    if saved["dp_size"] != layout.dp_size:
+        return f"the data-parallel size changed from {saved['dp_size']} to {layout.dp_size} {why}"
     return None
+
+
+def parts_changed(saved: dict[str, Any], layout: Layout) -> str:
+    """The start of an error about a checkpoint saved with world ``saved`` loading into
+    another number of parts: what it has, what this job has."""
+    return (
+        f"the number of model-parallel parts changed from {saved.get('parts', 1)} (world "
+        f"{saved['world_size']}, data-parallel size {saved['dp_size']}) to {layout.parts} "
+        f"(world {layout.world_size}, data-parallel size {layout.dp_size})"
+    )

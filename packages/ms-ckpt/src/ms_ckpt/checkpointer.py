@@ -12,7 +12,7 @@ import subprocess
 import sys
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
@@ -454,6 +454,7 @@ class Checkpointer:
         fallback: bool = False,
         broadcast: bool = True,
         per_rank: Literal["refuse", "keep"] = "refuse",
+        optional: Collection[str] = (),
     ) -> int:
         """Restore ``state`` in place from the newest committed checkpoint (or ``step``).
 
@@ -471,15 +472,28 @@ class Checkpointer:
         checkpoint, or a different global shape or dtype, raises ``CheckpointError``
         naming what changed.
 
+        With another number of model-parallel parts (a changed tensor- or
+        pipeline-parallel size) every part loads the state that all saved parts hold
+        alike: DTensors whose mesh spans the parts, and values every part saved the same
+        (plain values, replicated tensors); state that differs between the saved parts
+        (a DTensor on a mesh inside each part, such as ZeRO buckets per TP rank) is
+        refused, naming the key.
+
         Per-rank values (``per_rank``, ``rng_state()``) have no counterpart on the ranks
-        of a different data-parallel size. ``per_rank="refuse"`` raises
-        ``CheckpointError`` naming them; ``per_rank="keep"`` loads everything else and
-        leaves every live per-rank value as it is (a Stateful's ``load_state_dict`` is not
-        called), for the caller to derive each new rank's own, e.g. to seed its RNG. With
-        the same data-parallel size both load the per-rank values.
+        of a different data-parallel size or number of parts. ``per_rank="refuse"``
+        raises ``CheckpointError`` naming them; ``per_rank="keep"`` loads everything else
+        and leaves every live per-rank value as it is (a Stateful's ``load_state_dict`` is
+        not called), for the caller to derive each new rank's own, e.g. to seed its RNG.
+        With the same layout both load the per-rank values.
+
+        ``optional`` names top-level keys of ``state`` that a checkpoint may lack (state
+        added to a job after older checkpoints were written): a checkpoint without one
+        leaves that entry as it is; any other key missing is an error.
         """
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        if isinstance(optional, str) or not all(isinstance(k, str) for k in optional):
+            raise TypeError(f"optional must be a collection of key names, got {optional!r}")
         if per_rank not in ("refuse", "keep"):
             raise ValueError(f"per_rank must be 'refuse' or 'keep', got {per_rank!r}")
         lay = self._layout
@@ -500,16 +514,22 @@ class Checkpointer:
                     got = (None, f"{type(e).__name__}: {e}")
             manifest, error = _plan.broadcast_object(got, lay)
             if manifest is not None:
+                live = state
+                if optional:
+                    saved = _saved_keys(manifest)
+                    live = {k: v for k, v in state.items() if k not in optional or k in saved}
                 try:
                     _load.load_step(
                         self._fs,
                         self._root,
                         manifest,
-                        state,
+                        live,
                         lay,
                         broadcast=broadcast,
                         keep_per_rank=per_rank == "keep",
                     )
+                    if live is not state:
+                        state.update(live)  # plain values are replaced, not updated
                     return int(s)
                 except CheckpointCorruptError as e:
                     error = str(e)
@@ -601,6 +621,14 @@ class Checkpointer:
                 self.finalize()
             except CheckpointWriteError as e:
                 warnings.warn(str(e), stacklevel=2)
+
+
+def _saved_keys(manifest: dict[str, Any]) -> set[str]:
+    """The top-level keys of the state a manifest's parts saved."""
+    keys: set[str] = set()
+    for part in manifest.get("parts", []):
+        keys.update(k for k, _ in part.get("tree", {}).get("d", []))
+    return keys
 
 
 def _finalize_ref(ref: weakref.ref[Checkpointer]) -> None:

@@ -4,7 +4,8 @@
   You et al. (arXiv 1904.00962) with documented variant switches.
 - :func:`lamb_param_groups`: param groups that spare biases and norm weights.
 - :class:`ShardMap`: tells ``Lamb`` which logical parameter each local ZeRO
-  shard belongs to.
+  shard belongs to, and how many ranks of the group hold it (data x tensor
+  parallel groups).
 """
 
 from ms_optim._groups import lamb_param_groups

@@ -82,12 +82,14 @@ class Lamb(Optimizer):
             ``"triton"`` (fused multi-tensor Triton kernels; CUDA, or CPU under
             ``TRITON_INTERPRET=1``).
         shards: ZeRO mode: for every local tensor, the logical parameter it is a
-            slice of, and which local tensors are replicated (held whole by every
-            rank, counted once). Norms of logical parameters are completed with one
-            packed all-reduce per step over ``process_group`` (one more for the
-            global gradient norm when clipping). Construction is then collective too:
-            it checks that the ranks' slices cover each parameter exactly once.
-        process_group: the data-parallel group the shards are spread over;
+            slice of, which local tensors are replicated (held whole by every
+            rank, counted once), and how many ranks hold each one (``replicas``:
+            each copy counts 1/replicas). Norms of logical parameters are completed
+            with one packed all-reduce per step over ``process_group`` (one more for
+            the global gradient norm when clipping). Construction is then collective
+            too: it checks that the ranks' slices cover each parameter exactly once.
+        process_group: the group the shards are spread over: the data-parallel
+            group, or the data x tensor parallel group with ``shards.replicas``;
             required with ``shards`` and meaningless without.
     """
 
@@ -211,6 +213,7 @@ class Lamb(Optimizer):
             buckets.extend(self._buckets(h, entries, scale, t))
 
         replicated = self._replicated()
+        divisors = self._divisors()
         ids: list[int] = []
         w_sq: list[torch.Tensor] = []
         u_sq: list[torch.Tensor] = []
@@ -237,6 +240,10 @@ class Lamb(Optimizer):
         once = torch.zeros_like(squares) if replicated else None
         if ids:
             w_all, u_all = torch.cat(w_sq), torch.cat(u_sq)
+            if divisors is not None:
+                # A tensor that r ranks hold adds 1/r of its squares on each of them.
+                r = torch.tensor([divisors[i] for i in ids], dtype=norm_dtype, device=device)
+                w_all, u_all = w_all / r, u_all / r
             if once is None:
                 squares.index_add_(0, logical, w_all)
                 squares.index_add_(0, logical + n_logical, u_all)
@@ -325,18 +332,24 @@ class Lamb(Optimizer):
             return [None] * len(hypers)
         # The global norm covers every gradient of the optimizer, whichever group
         # clips (NVLAMB); raw gradients, before any L2 term. Replicated tensors'
-        # squares are added after the all-reduce, once.
+        # squares are added after the all-reduce, once; those of a tensor that r
+        # ranks hold are divided by r before it, as for the trust ratios.
         replicated = self._replicated()
-        by_kind: dict[tuple[bool, torch.dtype], list[torch.Tensor]] = {}
+        divisors = self._divisors()
+        by_kind: dict[tuple[bool, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
         for entries in picked:
             for i, p in entries:
                 assert p.grad is not None
-                by_kind.setdefault((i in replicated, p.grad.dtype), []).append(p.grad)
+                grads, counts = by_kind.setdefault((i in replicated, p.grad.dtype), ([], []))
+                grads.append(p.grad)
+                counts.append(1 if divisors is None else divisors[i])
         total = torch.zeros((), dtype=norm_dtype, device=device)
         once = torch.zeros((), dtype=norm_dtype, device=device)
-        for (is_replicated, _), grads in by_kind.items():
-            norms = torch._foreach_norm(grads, 2, norm_dtype)
-            (once if is_replicated else total).add_(torch.stack(norms).to(device).square().sum())
+        for (is_replicated, _), (grads, counts) in by_kind.items():
+            squares = torch.stack(torch._foreach_norm(grads, 2, norm_dtype)).to(device).square()
+            if divisors is not None:
+                squares = squares / torch.tensor(counts, dtype=norm_dtype, device=device)
+            (once if is_replicated else total).add_(squares.sum())
         if self.process_group is not None:
             self._all_reduce(total.view(1))
         grad_norm = (total + once).sqrt()
@@ -348,6 +361,16 @@ class Lamb(Optimizer):
     def _replicated(self) -> frozenset[int]:
         """Flat indices of the tensors every rank holds whole (``shards.replicated``)."""
         return frozenset() if self.shards is None else frozenset(self.shards.replicated)
+
+    def _divisors(self) -> tuple[int, ...] | None:
+        """Per flat index, by how much to divide a tensor's squares before the
+        all-reduce (``shards.replicas``; 1 for replicated tensors, which are added
+        after it instead); None when every one is 1."""
+        if self.shards is None or not self.shards.replicas:
+            return None
+        replicated = set(self.shards.replicated)
+        divisors = tuple(1 if i in replicated else r for i, r in enumerate(self.shards.replicas))
+        return None if all(r == 1 for r in divisors) else divisors
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         assert self.process_group is not None

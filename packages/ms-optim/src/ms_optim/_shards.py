@@ -4,12 +4,15 @@ ZeRO stages 1-3 give each data-parallel rank a slice of every parameter (or of t
 flat buffer that holds them all). LAMB's trust ratio needs ||w|| and ||u|| of the
 whole logical parameter, so the optimizer must know, for every local tensor, which
 logical parameter it is a slice of. The norms are then completed with one packed
-all-reduce over the data-parallel group.
+all-reduce over the process group.
 
-Some tensors may stay replicated instead (DeepSpeed keeps small parameters whole on
-every rank; ms-parallel's ZeRO can keep its first chunks so, to skip their
-all-gather): every rank holds the same tensor. Summed over the ranks their squares
-would count once per rank, so they are added after the all-reduce, once.
+A tensor may be held, with the same values, by several ranks of the group: whole on
+every rank (``replicated``: DeepSpeed keeps small parameters so, ms-parallel's ZeRO
+its first chunks), or on some of them (``replicas``: in a data x tensor parallel
+group, a ZeRO shard of a parameter that tensor parallelism replicates is held by
+every tp rank of its dp rank). Summed over the ranks their squares would count
+once per copy, so each copy counts 1/replicas of itself, and replicated tensors are
+added after the all-reduce, once.
 """
 
 from __future__ import annotations
@@ -31,8 +34,15 @@ class ShardMap:
 
     Every rank of the process group builds one. ``numels`` is the same on every
     rank; ``param_ids`` lists this rank's tensors. Each element of a logical
-    parameter must be held exactly once: by one rank's sharded tensor, or by a
-    tensor that ``replicated`` names on every rank.
+    parameter must be held exactly once, counting a tensor that ``replicas`` says
+    ``r`` ranks hold as 1/r on each of them, and one that ``replicated`` names on
+    every rank once.
+
+    ``replicated`` and ``replicas`` describe the same thing at two grains:
+    ``replicated`` position ``i`` means ``replicas[i]`` is the size of the group.
+    Its squares are added after the all-reduce (exactly once) rather than divided
+    by the group size before it. A position may be in both only with
+    ``replicas[i]`` equal to the group size; ``Lamb`` refuses anything else.
     """
 
     #: For each local tensor, in the order the optimizer holds them (group after
@@ -45,11 +55,19 @@ class ShardMap:
     #: squares count once in the norms, not once per rank. Every rank names
     #: tensors of the same sizes of the same logical parameters.
     replicated: tuple[int, ...] = ()
+    #: For each local tensor (one entry per position in ``param_ids``), how many
+    #: ranks of the process group hold exactly this tensor, with the same values,
+    #: this rank included: 1 for a shard only this rank holds, the tensor-parallel
+    #: degree for a ZeRO shard of a parameter that tensor parallelism replicates,
+    #: the data-parallel degree for a tensor-parallel slice that ZeRO keeps whole.
+    #: Each copy's squares count 1/replicas. Empty: 1 for every tensor.
+    replicas: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_ids", tuple(self.param_ids))
         object.__setattr__(self, "numels", tuple(self.numels))
         object.__setattr__(self, "replicated", tuple(self.replicated))
+        object.__setattr__(self, "replicas", tuple(self.replicas))
         for i, n in enumerate(self.numels):
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"ShardMap.numels[{i}] must be an int >= 0, got {n!r}")
@@ -70,6 +88,17 @@ class ShardMap:
                     f"[{previous + 1}, {len(self.param_ids)}) (ascending, each once), got {j!r}"
                 )
             previous = j
+        if self.replicas and len(self.replicas) != len(self.param_ids):
+            raise ValueError(
+                f"ShardMap.replicas must be empty or have one entry per entry of param_ids "
+                f"({len(self.param_ids)}), got {len(self.replicas)} entries"
+            )
+        for i, r in enumerate(self.replicas):
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                raise ValueError(
+                    f"ShardMap.replicas[{i}] must be an int >= 1 (the ranks holding local "
+                    f"tensor {i}, this one included), got {r!r}"
+                )
 
     @classmethod
     def from_flat_range(
@@ -96,8 +125,17 @@ class ShardMap:
             begin += n
         return cls(param_ids=tuple(s[0] for s in slices), numels=tuple(numels)), slices
 
-    def check_local(self, params: Sequence[torch.Tensor]) -> None:
-        """Refuse a map that does not fit this rank's tensors."""
+    def replica_counts(self, group_size: int) -> tuple[int, ...]:
+        """How many ranks hold each local tensor: ``replicas``, with ``group_size``
+        for the ``replicated`` positions (and 1 where neither says otherwise)."""
+        counts = list(self.replicas) if self.replicas else [1] * len(self.param_ids)
+        for i in self.replicated:
+            counts[i] = group_size
+        return tuple(counts)
+
+    def check_local(self, params: Sequence[torch.Tensor], group_size: int | None = None) -> None:
+        """Refuse a map that does not fit this rank's tensors; with ``group_size``
+        (the size of the process group), also replica counts the group cannot have."""
         if len(self.param_ids) != len(params):
             raise ValueError(
                 f"shards.param_ids must have one entry per parameter tensor of the optimizer "
@@ -109,13 +147,29 @@ class ShardMap:
                     f"shards: local tensor {i} has {p.numel()} elements but its logical "
                     f"parameter {k} has only shards.numels[{k}] = {self.numels[k]}"
                 )
+        if group_size is None:
+            return
+        replicated = set(self.replicated)
+        for i, r in enumerate(self.replicas):
+            if i in replicated and r != group_size:
+                raise ValueError(
+                    f"shards.replicas[{i}] must be {group_size} (the size of process_group) "
+                    f"since shards.replicated names position {i} (held by every rank), "
+                    f"got {r}"
+                )
+            if r > group_size:
+                raise ValueError(
+                    f"shards.replicas[{i}] must be at most {group_size} (the size of "
+                    f"process_group: no more ranks can hold a tensor), got {r}"
+                )
 
 
 def check_shards_across_ranks(
     shards: ShardMap, params: Sequence[torch.Tensor], group: dist.ProcessGroup
 ) -> None:
     """Refuse a map that does not fit this rank's tensors, or whose slices do not
-    cover each logical parameter exactly once.
+    cover each logical parameter exactly once (a tensor held by ``r`` ranks counting
+    1/r on each, a replicated one once).
 
     Collective over ``group`` (two small all-reduces, three when a rank names
     replicated tensors). A rank whose own map is wrong still joins the first one,
@@ -123,16 +177,33 @@ def check_shards_across_ranks(
     never reach; every later decision is taken from reduced values, the same on
     every rank.
     """
+    world = dist.get_world_size(group)
     try:
-        shards.check_local(params)
+        shards.check_local(params, world)
         local_error: ValueError | None = None
     except ValueError as e:
         local_error = e
     device = _comm_device(group, params)
     n = len(shards.numels)
+    replicated = set(shards.replicated)
+    counts = shards.replica_counts(world)
+    # Which replica counts this rank's sharded tensors use (1 always, so that the
+    # count of elements below has a column); a rank whose counts are out of range
+    # has raised locally and only has to keep the shapes of the collectives.
+    used = torch.zeros(world, dtype=torch.int64)
+    used[0] = 1
+    for i, r in enumerate(counts):
+        if i not in replicated:
+            used[min(r, world) - 1] = 1
     # Max of n and of -n: equal magnitudes iff every rank has the same n.
-    flags = torch.tensor(
-        [n, -n, int(local_error is not None), int(bool(shards.replicated))], dtype=torch.int64
+    flags = torch.cat(
+        [
+            torch.tensor(
+                [n, -n, int(local_error is not None), int(bool(shards.replicated))],
+                dtype=torch.int64,
+            ),
+            used,
+        ]
     )
     all_reduce_sum(flags.to(device), group, op=dist.ReduceOp.MAX, out=flags)
     if local_error is not None:
@@ -147,11 +218,17 @@ def check_shards_across_ranks(
             "shards.numels must list the same logical parameters on every rank; its "
             f"length ranges from {-int(flags[1].item())} to {int(flags[0].item())} across ranks"
         )
-    replicated = set(shards.replicated)
-    held = torch.zeros(n, dtype=torch.int64)  # in sharded tensors, summed over ranks
+    # Elements of sharded tensors summed over the ranks, one column per replica count
+    # in use: integers throughout, so that the check below is exact.
+    columns = [r + 1 for r in torch.nonzero(flags[4:]).flatten().tolist()]
+    column = {r: c for c, r in enumerate(columns)}
+    held = torch.zeros(n, len(columns), dtype=torch.int64)
     copies = torch.zeros(n, dtype=torch.int64)  # in replicated ones, the same on every rank
     for i, (k, p) in enumerate(zip(shards.param_ids, params, strict=True)):
-        (copies if i in replicated else held)[k] += p.numel()
+        if i in replicated:
+            copies[k] += p.numel()
+        else:
+            held[k, column[counts[i]]] += p.numel()
     all_reduce_sum(held.to(device), group, out=held)
     if flags[3].item():
         # Max of the counts and of their negatives: equal magnitudes iff every rank
@@ -168,12 +245,26 @@ def check_shards_across_ranks(
                 f"{most[k].item()} replicated elements of logical parameter {k}"
             )
         copies = most
-    for k, (have, want) in enumerate(zip((held + copies).tolist(), shards.numels, strict=True)):
+    for k, (row, once, want) in enumerate(
+        zip(held.tolist(), copies.tolist(), shards.numels, strict=True)
+    ):
+        # Each tensor held by r ranks appears r times in its column: a total that is
+        # not a multiple of r means some rank's count for it is wrong.
+        for r, total in zip(columns, row, strict=True):
+            if total % r:
+                raise ValueError(
+                    f"shards.replicas: the local tensors of logical parameter {k} with "
+                    f"replicas = {r} hold {total} elements summed over the ranks, not a "
+                    f"multiple of {r}; each such tensor must be held, with the same values, "
+                    f"by exactly {r} ranks of process_group"
+                )
+        have = sum(total // r for r, total in zip(columns, row, strict=True)) + once
         if have != want:
             raise ValueError(
                 f"shards: logical parameter {k} has shards.numels[{k}] = {want} elements but "
                 f"the ranks' local tensors hold {have} of them in total (sharded tensors "
-                "summed over the ranks, replicated ones once)"
+                "summed over the ranks, each divided by its replicas count; replicated "
+                "ones once)"
             )
 
 

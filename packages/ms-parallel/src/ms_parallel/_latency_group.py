@@ -12,6 +12,7 @@ latency instead of adding it up, and the caller never sleeps.
 from __future__ import annotations
 
 import atexit
+import math
 import queue
 import threading
 import time
@@ -213,6 +214,20 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _wire_bytes(op: str, nbytes: int, size: int) -> int:
+    """What this rank sends for ``op`` in a ring algorithm, ``nbytes`` its input (or
+    output) bytes on a group of ``size``."""
+    if size <= 1 or op in ("barrier",):
+        return 0
+    if op == "all_gather":
+        return nbytes * (size - 1)
+    if op in ("reduce_scatter", "all_to_all"):
+        return nbytes * (size - 1) // size
+    if op == "all_reduce":
+        return 2 * nbytes * (size - 1) // size
+    return nbytes
+
+
 def _flat(lists: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     return [t for ts in lists for t in ts]
 
@@ -242,6 +257,7 @@ class LatencyProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._seq = 0
+        self._link_free = 0.0  # when this rank's link of the group ends its last transfer
         self._lock = threading.Lock()
         self._completer: _Completer | None = None
         self._closed = False
@@ -506,6 +522,11 @@ class LatencyProcessGroup(dist.ProcessGroup):
                 )
             t_issue = time.perf_counter()
             inner = issue()  # a bad argument raises here, in the caller, as with gloo
+            nbytes = _nbytes(inputs) if inputs else _nbytes(outputs)
+            wire = _wire_bytes(op, nbytes, self._size)
+            bandwidth = self._backend.bandwidth
+            start = max(t_issue, self._link_free)
+            self._link_free = start + (wire / bandwidth if math.isfinite(bandwidth) else 0.0)
             seq = self._seq
             self._seq += 1
             what = f"{method} #{seq} on {self._backend.name} group {self._group_name!r}"
@@ -515,13 +536,13 @@ class LatencyProcessGroup(dist.ProcessGroup):
                 op=op,
                 method=method,
                 seq=seq,
-                nbytes=_nbytes(inputs) if inputs else _nbytes(outputs),
-                deadline=t_issue + latency,
+                nbytes=nbytes,
+                deadline=self._link_free + latency,
                 latency=latency,
                 inner=inner,
                 outputs=list(outputs),
                 work=_LatencyWork(torch.futures.Future(), what, self._completer.thread),
-                attrs=attrs,
+                attrs={**attrs, "wire_bytes": wire},
             )
             # The issue event goes out before the op is queued, so that a log never
             # holds an op's completion before its issue.

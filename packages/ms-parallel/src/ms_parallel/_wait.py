@@ -3,6 +3,7 @@ names the operation, never a silent hang."""
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -76,12 +77,20 @@ def wait_bounded(
     only the group's own timeout ends (the error then says how long it took: set the
     group's timeout to the bound you want, as ms-train does); NCCL's watchdog also
     aborts at the group's own timeout, which should not be shorter than this one.
+
+    A work that refuses a finite timeout (a process group written in Python hands out
+    works made from futures, whose ``wait`` raises "... with finite timeout not
+    implemented") is waited through its future instead, with the bound kept by a
+    timed wait on the future's completion: the refusal itself is not a timeout.
     """
     start = time.monotonic()
     try:
         done = work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+        if _refuses_timed_wait(e):
+            _wait_future(work, op=op, group=group, where=where, timeout_s=timeout_s, start=start)
+            return
+        if not _is_timeout(e):
             raise
         waited = time.monotonic() - start
         raise CollectiveTimeout(
@@ -94,3 +103,35 @@ def wait_bounded(
         ) from e
     if done is False:
         raise CollectiveTimeout(op, describe_group(group), dist.get_rank(), where, timeout_s)
+
+
+def _refuses_timed_wait(e: RuntimeError) -> bool:
+    # torch's FutureWrappingWork: "FutureWrappingWork::wait() with finite timeout not
+    # implemented". Said before anything was waited for.
+    text = str(e).lower()
+    return "not implemented" in text and "timeout" in text
+
+
+def _is_timeout(e: RuntimeError) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text or "did not complete within" in text
+
+
+def _wait_future(
+    work: dist.Work,
+    *,
+    op: str,
+    group: dist.ProcessGroup,
+    where: str,
+    timeout_s: float,
+    start: float,
+) -> None:
+    """Wait for ``work``'s future, at most what is left of ``timeout_s`` since ``start``."""
+    future = work.get_future()
+    finished = threading.Event()
+    # Runs at once when the future is already done, else on whichever thread completes it.
+    future.add_done_callback(lambda _: finished.set())
+    left = max(0.0, timeout_s - (time.monotonic() - start))
+    if not finished.wait(left):
+        raise CollectiveTimeout(op, describe_group(group), dist.get_rank(), where, timeout_s)
+    future.wait()  # raises the op's own error, if it failed

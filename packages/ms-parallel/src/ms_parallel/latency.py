@@ -102,6 +102,7 @@ class LatencyBackend:
         self._lock = threading.Lock()
         self._latency = dict.fromkeys(OP_TYPES, 0.0)
         self._explicit: set[str] = {"default"}
+        self._bandwidth = math.inf
         self._on_event: EventHook | None = None
         self.set_latency(latency)
         self.on_event = on_event
@@ -168,10 +169,32 @@ class LatencyBackend:
             self._latency.update(checked)
             self._explicit.update(checked)
 
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second each rank's link of a group carries (``inf``: no transfer
+        time, the default). With a finite bandwidth an op also occupies its group's link
+        for its wire bytes / bandwidth, after the ops issued before it: it completes no
+        earlier than ``max(issue, the link free) + wire_bytes / bandwidth + L``. Wire
+        bytes are what this rank sends in a ring algorithm (``wire_bytes`` of the
+        events): an all-gather ``(n - 1) x`` its input, a reduce-scatter or all-to-all
+        ``(n - 1) / n``, an all-reduce ``2 (n - 1) / n``."""
+        with self._lock:
+            return self._bandwidth
+
+    def set_bandwidth(self, bytes_per_s: float) -> None:
+        """Set :attr:`bandwidth` (``math.inf`` turns transfer times off); applies to ops
+        issued from now on."""
+        if isinstance(bytes_per_s, bool) or not isinstance(bytes_per_s, (int, float)):
+            raise TypeError(f"bandwidth must be a number of bytes per second, got {bytes_per_s!r}")
+        if not bytes_per_s > 0:
+            raise ValueError(f"bandwidth must be > 0 bytes per second, got {bytes_per_s!r}")
+        with self._lock:
+            self._bandwidth = float(bytes_per_s)
+
     def __repr__(self) -> str:
         return (
             f"LatencyBackend(name={self._name!r}, inner={self._inner!r}, "
-            f"latency={self.latencies()})"
+            f"latency={self.latencies()}, bandwidth={self.bandwidth})"
         )
 
     def _create(

@@ -187,6 +187,11 @@ class ZeroDataParallel(nn.Module):
             gradients through :meth:`shard_grads`, or after :meth:`shard_grads` has
             returned, not from a parameter's ``.grad`` right after backward. Default
             0: all sharded.
+        state_mesh: with tensor parallelism, the 2-D ``("dp", "tp")`` mesh (``mesh["dp",
+            "tp"]`` of ``build_mesh``) whose ``dp`` dimension is ``group``: the
+            optimizer state's DTensors are placed on it, each parameter's along ``tp``
+            as its ``ms_parallel.tensor_parallel`` spec says, so that the state reshards
+            across TP sizes. Default: the DP mesh alone.
     """
 
     def __init__(
@@ -203,11 +208,13 @@ class ZeroDataParallel(nn.Module):
         on_event: EventHook | None = None,
         broadcast_from: int = 0,
         replicated_chunks: int = 0,
+        state_mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         self.mesh, self.group = _resolve_group(group)
+        self.state_mesh = _check_state_mesh(state_mesh, self.group)
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -525,6 +532,21 @@ class ZeroDataParallel(nn.Module):
             self._wait_reduce(b)
         return [self._shard_grad(b) for b in self.buckets]
 
+    def local_shards(self) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor, bool]]:
+        """For each of this rank's shard views, in bucket order: the parameter it is a
+        slice of, the view of its data, the view of its reduced gradient (what the
+        optimizer reads) and whether its chunk is replicated (whole on every rank).
+        Waits for reductions still in flight. What an engine composing ZeRO with tensor
+        parallelism needs to sum partial gradients over another group and to weight a
+        norm by how many ranks hold each element."""
+        for b in self.buckets:
+            self._wait_reduce(b)
+        return [
+            (self._params[s.index], view, grad, b.replicated)
+            for b in self.buckets
+            for s, _, _, view, grad in b.local
+        ]
+
     @staticmethod
     def _shard_grad(b: _Bucket) -> torch.Tensor:
         return b.opt_grad[: max(0, min(b.shard, b.layout.numel - b.lo))]
@@ -570,17 +592,22 @@ class ZeroDataParallel(nn.Module):
         return (sq + once).sqrt()
 
     def device_mesh(self) -> DeviceMesh:
-        """The 1-D data-parallel ``DeviceMesh`` the sharded state is placed on."""
+        """The 1-D data-parallel ``DeviceMesh``."""
         if self.group is None:
             raise RuntimeError("a ZeroDataParallel without a process group has no mesh")
         if self.mesh is None:
             self.mesh = DeviceMesh.from_group(self.group, self.device.type)
         return self.mesh
 
+    def state_device_mesh(self) -> DeviceMesh:
+        """The mesh the optimizer state's DTensors are placed on: ``state_mesh`` when
+        given, else :meth:`device_mesh`."""
+        return self.state_mesh if self.state_mesh is not None else self.device_mesh()
+
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """``optimizer``'s state with every bucket's per-element state as a 1-D
-        ``DTensor`` on :meth:`device_mesh` (``Shard(0)``; ``Replicate()`` for a
-        replicated chunk's), loadable at any DP size and any ``replicated_chunks``
+        """``optimizer``'s state keyed by parameter name, every per-element entry a
+        ``DTensor`` of the parameter's unsplit shape on :meth:`state_device_mesh`,
+        loadable at any DP or TP size, bucket size and ``replicated_chunks``
         (``ms_parallel._zero_state``). Collective over the group. Before the first
         step the state is created as a step with zero gradients and learning rate 0
         would (what ``torch.distributed.checkpoint`` does), so that a checkpointer
@@ -590,10 +617,15 @@ class ZeroDataParallel(nn.Module):
         return _zero_state.optimizer_state_dict(self, optimizer)
 
     def load_optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: dict[str, Any],
+        upgrade: _zero_state.StateUpgrade | None = None,
     ) -> None:
-        """Load what :meth:`optimizer_state_dict` gave, saved at any DP size."""
-        _zero_state.load_optimizer_state_dict(self, optimizer, state)
+        """Load what :meth:`optimizer_state_dict` gave, saved at any DP or TP size, or
+        0.3's per-bucket form (``upgrade`` renames its parameters where the model's
+        names changed since)."""
+        _zero_state.load_optimizer_state_dict(self, optimizer, state, upgrade)
 
     def _init_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         lrs = [g["lr"] for g in optimizer.param_groups]
@@ -923,6 +955,21 @@ class _Leftovers(nn.Module):
 
 def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return list(module.named_parameters())  # shared parameters appear once
+
+
+def _check_state_mesh(
+    mesh: DeviceMesh | None, group: dist.ProcessGroup | None
+) -> DeviceMesh | None:
+    if mesh is None:
+        return None
+    if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names != ("dp", "tp"):
+        got = mesh.mesh_dim_names if isinstance(mesh, DeviceMesh) else type(mesh).__name__
+        raise ValueError(f"state_mesh must be a DeviceMesh with dims ('dp', 'tp'), got {got}")
+    if group is None or dist.get_process_group_ranks(mesh["dp"].get_group()) != (
+        dist.get_process_group_ranks(group)
+    ):
+        raise ValueError("state_mesh['dp'] must be the data-parallel group ZeRO shards over")
+    return mesh
 
 
 def _resolve_group(

@@ -18,6 +18,7 @@ from ms_train._version import __version__
 
 if TYPE_CHECKING:
     from ms_train._stop import Stopped
+    from ms_train._tp_model import parallelize
     from ms_train.config import PRESETS, Config, ConfigError, ModelConfig, load_config
     from ms_train.engine import DDPEngine, StepEngine, ZeroEngine
     from ms_train.flops import FlopsPerToken, flops_per_token, mfu
@@ -42,6 +43,7 @@ _HOMES = {
     "flops_per_token": "ms_train.flops",
     "load_config": "ms_train.config",
     "mfu": "ms_train.flops",
+    "parallelize": "ms_train._tp_model",
 }
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "flops_per_token",
     "load_config",
     "mfu",
+    "parallelize",
 ]
 
 

@@ -42,15 +42,14 @@ from typing import Any
 
 from ms_train import _health, _procs
 from ms_train._fail import report_failure
+from ms_train._launcher_env import LAUNCHER_PID, REPORT_DIR, launched
 from ms_train._nodes import Nodes
 from ms_train._stop import STOP_FILE, Stopped, newest_committed
 from ms_train.config import Config
 from ms_train.errors import EXIT_USAGE, JobError
 
-__all__ = ["launch", "launched", "run_rank"]
+__all__ = ["launch", "run_rank"]
 
-_REPORT_DIR = "MS_TRAIN_REPORT_DIR"
-_LAUNCHER_PID = "MS_TRAIN_LAUNCHER_PID"
 _FRESH_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # After the grace period, the ranks' own teardown (loader, process group) and a step
 # longer than usual; after a second signal, the time to kill a writer and unlink.
@@ -58,14 +57,6 @@ _TEARDOWN_S = 15.0
 _AT_ONCE_S = 5.0
 # How long the launcher waits for the helpers of killed ranks to notice and exit.
 _DRAIN_S = 10.0
-
-
-def launched() -> tuple[int, Path] | None:
-    """(launcher pid, report folder) when the ``ms-train`` launcher started this rank."""
-    folder, pid = os.environ.get(_REPORT_DIR), os.environ.get(_LAUNCHER_PID)
-    if not folder or not pid:
-        return None
-    return int(pid), Path(folder)
 
 
 def run_rank(
@@ -93,8 +84,8 @@ def run_rank(
         # under ms-health into the file its node agent reads.
         _health.install_dump_handler(rank)
     try:
-        with trainer_cls(config, peak_flops=peak_flops) as trainer:
-            trainer.keep_signal_handlers = True  # this process ends with the trainer
+        # This process ends with the trainer: its stop handlers stay (see Trainer).
+        with trainer_cls(config, peak_flops=peak_flops, keep_signal_handlers=True) as trainer:
             trainer.train()
     except JobError as e:
         if under is None:
@@ -167,7 +158,7 @@ def launch(
     grace = config.checkpoint.grace_s
     folder = Path(tempfile.mkdtemp(prefix="ms-train-launch-"))
     # The ranks inherit this process's environment, set here for the launch only.
-    ours = [_REPORT_DIR, _LAUNCHER_PID]
+    ours = [REPORT_DIR, LAUNCHER_PID]
     # Everything the launch sets up is undone in the finally, whatever ends it (a start
     # the health side refuses, a signal, an error).
     health: Any = None
@@ -183,7 +174,7 @@ def launch(
             # One share of the cores per rank (the agent would otherwise force 1, with a warning).
             os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
             ours.append("OMP_NUM_THREADS")
-        os.environ[_REPORT_DIR], os.environ[_LAUNCHER_PID] = str(folder), str(os.getpid())
+        os.environ[REPORT_DIR], os.environ[LAUNCHER_PID] = str(folder), str(os.getpid())
         if _FRESH_STORE not in os.environ:
             # A store of its own for each rendezvous round (rank 0 hosts it), instead of the
             # agent's one store for the job's life: there a restarted round's gloo ranks

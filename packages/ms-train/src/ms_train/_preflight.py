@@ -4,7 +4,7 @@
 in the launcher before any rank starts. It checks, in this order, and raises a one-line
 ``JobError`` naming the field, the path, what was expected and what was found:
 
-1. the run is one this trainer can run (``parallel.tp``/``pp``, ``train.device``);
+1. the run is one this trainer can run (``parallel.pp``, ``train.device``);
 2. ``train.out_dir`` and the checkpoint directory are writable directories, or can be
    created: a probe file is written and removed in the directory, or in its nearest
    existing parent when it does not exist yet (nothing is created);
@@ -87,11 +87,10 @@ def _one_line(e: BaseException) -> str:
 
 def _runnable(config: Config) -> None:
     p = config.parallel
-    if p.tp > 1 or p.pp > 1:
+    if p.pp > 1:
         raise ConfigError(
-            f"parallel.tp = {p.tp} and parallel.pp = {p.pp}: this trainer runs data "
-            "parallelism only until the ms-parallel tensor/pipeline engine is wired in; "
-            "set both to 1"
+            f"parallel.pp = {p.pp}: this trainer runs data and tensor parallelism; the "
+            "pipeline engine is not wired in yet; set parallel.pp = 1"
         )
     if config.train.device == "cuda":
         import torch
@@ -294,7 +293,11 @@ def _model_shapes(config: Config) -> dict[str, tuple[int, ...]]:
 def _same_model(
     config: Config, checkpoint_dir: str, step: int, saved: dict[str, tuple[int, ...]]
 ) -> None:
+    from ms_train.model import upgrade_state_dict
+
     expected = _model_shapes(config)
+    saved = dict(saved)
+    upgrade_state_dict(saved, config.model.n_heads, prefix="model/")  # 0.4's names
     changed = [k for k in expected if k in saved and saved[k] != expected[k]]
     missing = [k for k in expected if k not in saved]
     extra = [k for k in saved if k not in expected]

@@ -38,10 +38,15 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 import torch.distributed as dist
+
+from ms_ckpt import CheckpointError
+
+if TYPE_CHECKING:
+    from ms_ckpt import Checkpointer, SaveHandle
 
 __all__ = ["STOP_FILE", "StopRequest", "Stopped"]
 
@@ -214,22 +219,33 @@ class StopRequest:
         return bool(self._flag.item())
 
 
-def finish(trainer: Any, stop: StopRequest, step: int, handle: Any) -> Stopped:
+def finish(
+    stop: StopRequest,
+    step: int,
+    *,
+    state: Callable[[int], dict[str, Any]],
+    checkpointer: Checkpointer,
+    in_flight: SaveHandle | None,
+    checkpoint_dir: str,
+) -> Stopped:
     """Commit a checkpoint of ``step`` within the grace period; the account of the stop.
 
-    ``handle`` is the trainer's newest save (None if none): when it already saves
-    ``step`` it is waited for instead of saving again.
+    Args:
+        stop: the request the ranks agreed to stop on.
+        step: the step every rank has finished.
+        state: the checkpoint state of a step (the trainer's).
+        checkpointer: saves it, and says which step is committed.
+        in_flight: the newest save not collected yet (None if none); when it already
+            saves ``step`` it is waited for instead of saving again.
+        checkpoint_dir: the checkpoint root, for the account.
     """
-    from ms_ckpt import CheckpointError
-
-    ckpt = trainer.checkpointer
     problem = ""
+    handle = in_flight
     try:
         if handle is not None and handle.step != step:  # an earlier save still in flight
             handle.wait(timeout=max(0.0, stop.deadline() - time.monotonic()))
         if handle is None or handle.step != step:
-            trainer.step = step
-            handle = ckpt.save(step, trainer._state())
+            handle = checkpointer.save(step, state(step))
         handle.wait(timeout=max(0.0, stop.deadline() - time.monotonic()))
     except TimeoutError:
         problem = f"not committed within checkpoint.grace_s = {stop.grace_s:g} s"
@@ -238,30 +254,35 @@ def finish(trainer: Any, stop: StopRequest, step: int, handle: Any) -> Stopped:
     # Rank 0's save commits last (it merges every rank's part): this also waits for it.
     if not stop.all_ok(not problem):
         problem = problem or "another rank's part did not commit"
-        ckpt.abort()  # do not wait at close for a save that is abandoned
-    committed = step if not problem else ckpt.latest_step()
-    return Stopped(stop.signum, step, committed, trainer.checkpoint_dir, problem)
+        checkpointer.abort()  # do not wait at close for a save that is abandoned
+    committed = step if not problem else checkpointer.latest_step()
+    return Stopped(stop.signum, step, committed, checkpoint_dir, problem)
 
 
-def stop_at_once(trainer: Any, first: int) -> None:
+def stop_at_once(
+    first: int,
+    *,
+    checkpointer: Checkpointer,
+    close_loader: Callable[[], None],
+    checkpoint_dir: str,
+    stream: TextIO | None,
+    under_launcher: bool,
+) -> None:
     """A second signal: abandon the save in flight, stop the loader, say what is
     committed, end the process with 128 + the ``first`` signal's number.
 
-    Rank 0 says it, unless the ``ms-train`` launcher started the rank: the launcher
-    then says it once the ranks are gone, and the rank exits 0, so that its elastic
-    agent does not restart the ranks into a stop.
+    The rank that reports (``stream``: rank 0's, flushed first; None on the others)
+    says it, unless the ``ms-train`` launcher started the rank (``under_launcher``):
+    the launcher then says it once the ranks are gone, and the rank exits 0, so that
+    its elastic agent does not restart the ranks into a stop.
     """
-    from ms_train._launch import launched
-
-    status = 128 + first if launched() is None else 0
+    status = 0 if under_launcher else 128 + first
     try:
-        trainer.checkpointer.abort()
-        close = getattr(trainer.loader, "close", None)
-        if callable(close):
-            close()
-        if trainer.rank == 0 and launched() is None:
-            trainer.stream.flush()
-            line = newest_committed(trainer.checkpointer.latest_step(), trainer.checkpoint_dir)
+        checkpointer.abort()
+        close_loader()
+        if stream is not None and not under_launcher:
+            stream.flush()
+            line = newest_committed(checkpointer.latest_step(), checkpoint_dir)
             print(
                 f"\nms-train: stopped at once on a second signal; {line}; "
                 "run the same command to resume",

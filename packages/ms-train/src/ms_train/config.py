@@ -263,7 +263,8 @@ class ParallelConfig:
     ``tp * pp``; it is checked against the world size at launch.
 
     Attributes:
-        tp: tensor-parallel size (must divide the heads and the FFN size).
+        tp: tensor-parallel size, with sequence parallelism (must divide the heads, the
+            FFN size and the sequence length).
         pp: pipeline-parallel size (stages).
         virtual_stages: model chunks per pipeline rank (interleaved 1F1B); the layers
             must split evenly into ``pp * virtual_stages`` chunks.
@@ -286,6 +287,11 @@ class ParallelConfig:
             block's forward and backward; the embeddings' own compute hides nothing
             (ms-parallel's ``docs/zero-critical-path.md``). Checkpoints load across
             values.
+        tp_chunks: tensor parallelism's chunk count: how many pieces each collective
+            matmul's all-gather or reduce-scatter is split into, each overlapped with
+            GEMMs. 0 (default): measured per shape on the first step (ms-parallel's
+            ``ChunkTuner``) and kept in the checkpoints, so that a resumed run uses the
+            same counts (they set the order of floating-point sums).
     """
 
     tp: int = attrs.field(default=1, validator=_positive_int("parallel"))
@@ -301,6 +307,7 @@ class ParallelConfig:
         default=600.0, validator=_float("parallel", low=0.0, low_open=True)
     )
     replicated_chunks: int = attrs.field(default=0, validator=_nonneg_int("parallel"))
+    tp_chunks: int = attrs.field(default=0, validator=_nonneg_int("parallel"))
 
 
 @attrs.frozen(kw_only=True)
@@ -405,6 +412,11 @@ class Config:
         if m.ffn_size % p.tp:
             raise ConfigError(
                 f"parallel.tp ({p.tp}) must divide the FFN size ({m.ffn_size}, model.d_ff)"
+            )
+        if m.seq_len % p.tp:
+            raise ConfigError(
+                f"parallel.tp ({p.tp}) must divide model.seq_len ({m.seq_len}): sequence "
+                "parallelism splits each sequence over the tensor-parallel ranks"
             )
         if p.replicated_chunks and p.engine != "zero":
             raise ConfigError(

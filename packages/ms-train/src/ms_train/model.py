@@ -1,8 +1,11 @@
 """The GPT decoder, built on ms-kernels' fused ops.
 
-``GPT(config)`` is a decoder-only transformer described by a :class:`ModelConfig`:
-token + learned position embeddings, ``n_layers`` blocks, a final LayerNorm and the
-output projection (the token embedding itself when ``tie_embeddings``).
+``GPT(config)`` is a decoder-only transformer described by a :class:`ModelConfig`, three
+plain modules in a row: :class:`Embedding` (token + learned position embeddings, tokens
+to hidden states), ``n_layers`` blocks (hidden to hidden) and :class:`Head` (the final
+LayerNorm, the output projection, which is the token embedding itself when
+``tie_embeddings``, and the loss). ``ms_train.parallelize`` turns the same GPT into its
+tensor-parallel form (``ms_train._tp_model``).
 
 Blocks are MegaScale's *parallel* form, ``y = x + MLP(LN(x)) + Attn(LN(x))`` with one
 LayerNorm shared by both branches, or GPT-2's *serial* form,
@@ -14,8 +17,9 @@ and get ``config.kernels`` as their ``backend`` (``"auto"``: Triton / flash-attn
 CUDA, the torch paths elsewhere).
 
 * Attention: one fused QKV ``Linear(d_model, 3 * d_model)`` whose output is laid out
-  ``(3, n_heads, head_dim)`` (q, then k, then v; GPT-2's ``c_attn`` order), heads split
-  to flash-attn's ``(batch, seq, heads, head_dim)``, causal, windowed to
+  head-major, ``(n_heads, 3, head_dim)`` (each head's q, k and v together), so that a
+  tensor-parallel shard of whole heads is one block of rows; heads split to
+  flash-attn's ``(batch, seq, heads, head_dim)``, causal, windowed to
   ``hf_window(config.window)`` (the current token and ``window - 1`` before it) when a
   window is set; output ``Linear(d_model, d_model)``.
 * MLP: ``fc`` holds ``weight`` (ffn_size x d_model) and ``bias`` but the GEMM runs
@@ -27,7 +31,13 @@ CUDA, the torch paths elsewhere).
 
 Initialization (:func:`init_parameters`) is seeded per parameter by name: each
 parameter is drawn, on CPU in float32, from a generator seeded by
-``derive_seed(config.seed, name)``, then copied into place. The weights depend only
+``derive_seed(config.seed, name)``, then copied into place (``name`` as ms-train 0.4
+named it, and the QKV weight drawn in 0.4's ``(3, n_heads, head_dim)`` order and then
+permuted, so a GPT starts as 0.4's did).
+
+Checkpoints of ms-train 0.4 (top-level ``tok_emb``, ``pos_emb``, ``ln_f``, ``head``; QKV
+rows q-major) load: ``load_state_dict`` renames their keys and permutes their QKV rows
+(:func:`upgrade_state_dict`). The weights depend only
 on the config and the names, not on construction order, device, dtype or how the
 model is later sharded (a shard draws the full tensor with :func:`initial_value`
 and slices it). Modules are built on the meta device first, so constructing a GPT
@@ -39,7 +49,8 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from typing import Final, Literal, overload
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -48,16 +59,24 @@ from torch import nn
 from ms_kernels import LayerNorm, add_layer_norm, bias_gelu, hf_window, sliding_window_attention
 from ms_train.config import ModelConfig
 
+if TYPE_CHECKING:
+    from ms_train._tp_model import TPEmbedding, TPHead
+
 __all__ = [
     "GELU_APPROXIMATE",
     "GPT",
     "MLP",
     "Block",
     "CausalSelfAttention",
+    "Embedding",
+    "Head",
     "LinearBiasGeLU",
     "derive_seed",
     "init_parameters",
     "initial_value",
+    "optimizer_state_upgrade",
+    "qkv_head_major",
+    "upgrade_state_dict",
 ]
 
 GELU_APPROXIMATE: Final[Literal["none", "tanh"]] = "tanh"
@@ -69,6 +88,57 @@ _NORM_WEIGHT = re.compile(r"(^|\.)(ln|ln\d+|ln_f)\.weight$")
 _OUTPUT_PROJECTION = re.compile(r"(^|\.)(attn|mlp)\.proj\.weight$")
 
 _META = torch.device("meta")
+
+# ms-train 0.4's names of the parameters outside the blocks: the seeds are drawn from
+# them, and its checkpoints are read through them.
+_RENAMED = (
+    ("embed.tok_emb.", "tok_emb."),
+    ("embed.pos_emb.", "pos_emb."),
+    ("head.ln_f.", "ln_f."),
+    ("head.proj.weight", "head.weight"),
+)
+_QKV = re.compile(r"(^|\.)attn\.qkv\.(weight|bias)$")
+
+
+def _legacy_name(name: str) -> str:
+    for new, old in _RENAMED:
+        if name.startswith(new):
+            return old + name[len(new) :]
+    return name
+
+
+def qkv_head_major(t: torch.Tensor, n_heads: int, *, inverse: bool = False) -> torch.Tensor:
+    """QKV rows (dim 0) from 0.4's ``(3, n_heads, head_dim)`` order to ``(n_heads, 3,
+    head_dim)``; ``inverse`` goes back. Works on the weight, the bias and any per-element
+    optimizer state of either."""
+    rows = t.shape[0]
+    head_dim = rows // (3 * n_heads)
+    if rows != 3 * n_heads * head_dim:
+        raise ValueError(
+            f"a QKV tensor must have 3 * n_heads * head_dim rows (n_heads = {n_heads}), got "
+            f"shape {tuple(t.shape)}"
+        )
+    src = (n_heads, 3) if inverse else (3, n_heads)
+    grid = t.reshape(*src, head_dim, *t.shape[1:])
+    return grid.transpose(0, 1).reshape(t.shape).contiguous()
+
+
+def upgrade_state_dict(state: dict[str, Any], n_heads: int, prefix: str = "") -> bool:
+    """Rewrite, in place, a GPT state dict saved by ms-train 0.4 (its keys under
+    ``prefix``) into today's form: keys renamed, QKV rows permuted head-major. Returns
+    whether it was one (a state with today's keys is left as it is)."""
+    if prefix + "tok_emb.weight" not in state:
+        return False
+    for key in list(state):
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix) :]
+        new = next((n + name[len(o) :] for n, o in _RENAMED if name.startswith(o)), name)
+        value = state.pop(key)
+        if _QKV.search(name) and isinstance(value, torch.Tensor):
+            value = qkv_head_major(value, n_heads)
+        state[prefix + new] = value
+    return True
 
 
 def derive_seed(seed: int, name: str) -> int:
@@ -98,8 +168,12 @@ def initial_value(
     std = config.init_std
     if _OUTPUT_PROJECTION.search(name):
         std /= math.sqrt(2 * config.n_layers)
-    generator = torch.Generator(device="cpu").manual_seed(derive_seed(config.seed, name))
-    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+    seed = derive_seed(config.seed, _legacy_name(name))
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    value = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+    if _QKV.search(name):  # drawn in 0.4's row order, so a GPT starts as 0.4's did
+        value = qkv_head_major(value, config.n_heads)
+    return value
 
 
 @torch.no_grad()
@@ -107,10 +181,27 @@ def init_parameters(model: nn.Module, config: ModelConfig) -> None:
     """Set every parameter of ``model`` to :func:`initial_value` of its name.
 
     A parameter shared between modules (the tied embedding) is listed, and
-    initialized, once, under its first name (``tok_emb.weight``).
+    initialized, once, under its first name (``embed.tok_emb.weight``).
     """
     for name, param in model.named_parameters():
         param.copy_(initial_value(name, param.shape, config))
+
+
+def optimizer_state_upgrade(
+    config: ModelConfig,
+) -> Callable[[str, torch.Tensor | None], tuple[str, torch.Tensor | None]]:
+    """For ms-parallel's ZeRO: a parameter's name and flattened optimizer state in an
+    ms-train 0.4 checkpoint to today's (renamed, QKV rows head-major)."""
+    d = config.d_model
+
+    def upgrade(name: str, flat: torch.Tensor | None) -> tuple[str, torch.Tensor | None]:
+        new = next((n + name[len(o) :] for n, o in _RENAMED if name.startswith(o)), name)
+        if flat is not None and _QKV.search(new):
+            rows = qkv_head_major(flat.reshape(3 * d, -1), config.n_heads)
+            flat = rows.reshape(flat.shape)
+        return new, flat
+
+    return upgrade
 
 
 class CausalSelfAttention(nn.Module):
@@ -135,7 +226,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.n_heads, self.head_dim).unbind(2)
+        q, k, v = self.qkv(x).view(b, s, self.n_heads, 3, self.head_dim).unbind(3)
         out = sliding_window_attention(
             q, k, v, window=self.window, causal=True, backend=self.backend
         )
@@ -260,21 +351,87 @@ class Block(nn.Module):
         return h + self.mlp(y)  # type: ignore[no-any-return]
 
 
+class Embedding(nn.Module):
+    """Tokens ``(B, S)`` to hidden states ``(B, S, d_model)``: token plus learned position
+    embeddings, then dropout."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        d = config.d_model
+        self.tok_emb = nn.Embedding(config.vocab_size, d, device=device, dtype=dtype)
+        self.pos_emb = nn.Embedding(config.seq_len, d, device=device, dtype=dtype)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.drop(self.tok_emb(tokens) + self.pos_emb(positions))  # type: ignore[no-any-return]
+
+
+class Head(nn.Module):
+    """Hidden states to logits, and with targets the mean cross-entropy: the final
+    LayerNorm, then the output projection (``proj``, or with tied embeddings the token
+    embedding's weight, which the caller passes as ``weight``)."""
+
+    proj: nn.Linear | None
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        d = config.d_model
+        self.ln_f = LayerNorm(d, backend=config.kernels, device=device, dtype=dtype)
+        if config.tie_embeddings:
+            self.proj = None
+        else:
+            self.proj = nn.Linear(d, config.vocab_size, bias=False, device=device, dtype=dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        weight: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        w = self.proj.weight if self.proj is not None else weight
+        if w is None:
+            raise ValueError("a Head with tied embeddings needs weight=, the token embedding's")
+        logits = F.linear(self.ln_f(x), w)
+        if targets is None:
+            return logits
+        flat = logits.reshape(-1, logits.shape[-1])
+        if flat.dtype in (torch.float16, torch.bfloat16):
+            flat = flat.float()
+        return logits, F.cross_entropy(flat, targets.reshape(-1).long())
+
+
 class GPT(nn.Module):
     """A GPT decoder: ``forward(tokens (B, S)) -> logits (B, S, vocab_size)``.
 
-    Parameter names: ``tok_emb.weight``, ``pos_emb.weight``,
+    Three modules in a row: ``embed`` (:class:`Embedding`), ``blocks`` and ``head``
+    (:class:`Head`). Parameter names: ``embed.tok_emb.weight``, ``embed.pos_emb.weight``,
     ``blocks.<i>.{ln | ln1, ln2}.{weight, bias}``, ``blocks.<i>.attn.{qkv, proj}.{weight,
-    bias}``, ``blocks.<i>.mlp.{fc, proj}.{weight, bias}``, ``ln_f.{weight, bias}`` and,
-    untied only, ``head.weight``. Tied, there is no ``head`` module: the logits are
-    ``h @ tok_emb.weight^T`` and the state_dict holds the embedding once.
+    bias}``, ``blocks.<i>.mlp.{fc, proj}.{weight, bias}``, ``head.ln_f.{weight, bias}`` and,
+    untied only, ``head.proj.weight``. Tied, the logits are ``h @ tok_emb.weight^T`` and
+    the state_dict holds the embedding once.
 
     ``device`` / ``dtype`` place the parameters; the values do not depend on them
     (see :func:`init_parameters`). On ``device="meta"`` the parameters have shapes only
     (nothing is drawn), for counting parameters and checking checkpoints.
     """
 
-    head: nn.Linear | None
+    # ms_train.parallelize swaps these for their tensor-parallel forms, in the same roles.
+    embed: Embedding | TPEmbedding
+    head: Head | TPHead
 
     def __init__(
         self,
@@ -289,28 +446,32 @@ class GPT(nn.Module):
         self.config = config
         # Built on the meta device: no default initialization, no global RNG draws.
         meta = _META
-        d = config.d_model
-        self.tok_emb = nn.Embedding(config.vocab_size, d, device=meta, dtype=dtype)
-        self.pos_emb = nn.Embedding(config.seq_len, d, device=meta, dtype=dtype)
-        self.drop = nn.Dropout(config.dropout)
+        self.embed = Embedding(config, device=meta, dtype=dtype)
         self.blocks = nn.ModuleList(
             Block(config, device=meta, dtype=dtype) for _ in range(config.n_layers)
         )
-        self.ln_f = LayerNorm(d, backend=config.kernels, device=meta, dtype=dtype)
-        if config.tie_embeddings:
-            self.head = None
-        else:
-            self.head = nn.Linear(d, config.vocab_size, bias=False, device=meta, dtype=dtype)
+        self.head = Head(config, device=meta, dtype=dtype)
+        # Sequence lengths the modules need: parallelize() sets the TP size (sequence
+        # parallelism splits the sequence); logits-only calls are padded up to it.
+        self.seq_multiple = 1
+        #: The tensor-parallel chunk plan (``ms_parallel.ChunkTuner``), set by parallelize().
+        self.chunk_tuner: Any = None
         self.to_empty(device=torch.device("cpu") if device is None else device)
         # A meta model has shapes and no values (preflight, --dry-run): drawing the
         # initial values of a 175B model on CPU would take the host's memory.
-        if self.tok_emb.weight.device.type != "meta":
+        if self.embed.tok_emb.weight.device.type != "meta":
             init_parameters(self, config)
+        # 0.4's checkpoints: renamed keys, QKV rows in the old order.
+        self.register_load_state_dict_pre_hook(self._upgrade)  # type: ignore[no-untyped-call]
+
+    def _upgrade(self, module: nn.Module, state: dict[str, Any], prefix: str, *rest: Any) -> None:
+        upgrade_state_dict(state, self.config.n_heads, prefix)
 
     @property
     def output_weight(self) -> torch.Tensor:
-        """The (vocab_size, d_model) output projection: ``tok_emb.weight`` when tied."""
-        return self.tok_emb.weight if self.head is None else self.head.weight
+        """The (vocab_size, d_model) output projection: ``embed.tok_emb.weight`` when tied."""
+        proj = self.head.proj
+        return self.embed.tok_emb.weight if proj is None else proj.weight
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameters, a shared one counted once.
@@ -321,7 +482,7 @@ class GPT(nn.Module):
         """
         params = {id(p): p for p in self.parameters()}
         if exclude_embeddings:
-            for p in (self.tok_emb.weight, self.pos_emb.weight, self.output_weight):
+            for p in (self.embed.tok_emb.weight, self.embed.pos_emb.weight, self.output_weight):
                 params.pop(id(p), None)
         return sum(p.numel() for p in params.values())
 
@@ -366,18 +527,18 @@ class GPT(nn.Module):
         ``[0, vocab_size)`` fails inside the embedding lookup.
         """
         self._check_inputs(tokens, targets)
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        length = tokens.shape[1]
+        pad = -length % self.seq_multiple
+        if targets is None and pad:
+            # Causal: tokens appended after the last change no logit before them.
+            tokens = F.pad(tokens, (0, pad))
+        x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        logits = F.linear(self.ln_f(x), self.output_weight)
-        if targets is None:
-            return logits
-        flat = logits.reshape(-1, logits.shape[-1])
-        if flat.dtype in (torch.float16, torch.bfloat16):
-            flat = flat.float()
-        loss = F.cross_entropy(flat, targets.reshape(-1).long())
-        return logits, loss
+        out = self.head(x, targets, weight=self.output_weight)
+        if targets is None and pad:
+            return out[:, :length]  # type: ignore[no-any-return]
+        return out  # type: ignore[no-any-return]
 
     @torch.no_grad()
     def generate(

@@ -44,23 +44,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ms_ckpt import Checkpointer
 from ms_data import Corpus, NodeLoader, PackedDataset, get_tokenizer
-from ms_optim import Lamb, ShardMap, lamb_param_groups
-from ms_parallel import OptimizerFactory, ShardSpec, StepEngine
+from ms_parallel import StepEngine, build_mesh
 from ms_train import _health, _lock, _saves, _stop, report
 from ms_train._data_errors import damaged_data
+from ms_train._device import env_int, resolve_device, resolve_precision
 from ms_train._eval import HeldOutEval
-from ms_train._launch import launched
-from ms_train._peak import Peak, PeakSource, measured_peak, over_peak_warning, table_peak
+from ms_train._launcher_env import launched
+from ms_train._optim import optimizer_factory, optimizer_groups
+from ms_train._peak import Peak, measured_peak, table_peak
 from ms_train._preflight import preflight
+from ms_train._records import RunRecords
 from ms_train._rng import RankRNG, seed_rank
-from ms_train._tensorboard import TensorBoardLog
+from ms_train._summary import RunSummary, write_report
+from ms_train._tp_model import parallelize
+from ms_train._window import MetricWindow, RunRates
 from ms_train.config import Config, ConfigError, OptimConfig
 from ms_train.demo import demo_corpus
 from ms_train.engine import make_engine
@@ -70,142 +73,13 @@ from ms_train.schedule import lr_at
 
 __all__ = ["RunSummary", "Trainer", "build_optimizer"]
 
-
-@attrs.frozen(kw_only=True)
-class RunSummary:
-    """What a run did (every rank returns the same numbers but ``files`` and ``sample``,
-    which rank 0 alone writes).
-
-    Attributes:
-        start_step: the step it started from (the checkpoint's, 0 for a fresh run).
-        end_step: the step it reached.
-        final_loss: the training loss of the last logged step of this run (the loss of
-            ``loss_history[-1]``); NaN when this run trained no step.
-        loss_history: ``(step, loss)`` of each logged step of this run: the loss
-            averaged over the global batch and over the steps since the previous logged
-            step.
-        eval_loss: the held-out loss of this run's last evaluation (``train.eval_every``);
-            NaN when it made none.
-        eval_history: ``(step, held-out loss)`` of each evaluation of this run.
-        tokens: tokens trained on by this run, all ranks.
-        wall_s: seconds from the first step to the last, the first step excluded from
-            the rates (start-up and warm-up), evaluations excluded.
-        tokens_per_s, mfu, data_wait: whole-job throughput after the first step, its
-            model FLOPs over ``world_size x peak_flops``, and rank 0's share of step
-            time spent waiting for data.
-        peak_flops: the per-rank FLOP/s MFU is measured against.
-        peak_flops_source: where it came from: ``"given"`` (``peak_flops=``,
-            ``--peak-tflops``), ``"table"`` (the datasheet value of a known GPU in bf16)
-            or ``"measured"`` (the best of several matmul measurements at start); None
-            when this run trained nothing and needed no peak.
-        peak_flops_detail: how it was found (the device, or the measurements).
-        health_cost: with heartbeats, what they cost this rank over ``wall_s``:
-            ``loop_s`` in the heartbeat's calls on the training thread (steps and
-            collective events), ``sender_cpu_s`` of its sender thread, and ``share``,
-            their sum over ``wall_s`` (an upper bound on the tokens/s they take: as if
-            the sender's CPU time were all taken from the loop); else None.
-    """
-
-    start_step: int
-    end_step: int
-    final_loss: float
-    loss_history: list[tuple[int, float]]
-    eval_loss: float
-    eval_history: list[tuple[int, float]]
-    tokens: int
-    wall_s: float
-    tokens_per_s: float
-    mfu: float
-    data_wait: float
-    peak_flops: float
-    peak_flops_source: PeakSource | None
-    peak_flops_detail: str
-    world_size: int
-    dp: int
-    grad_accum: int
-    out_dir: str
-    checkpoint_dir: str
-    files: dict[str, str]
-    sample: str | None
-    health_cost: dict[str, float] | None = None
-
-
-def _health_cost(
-    before: dict[str, float], after: dict[str, float], wall_s: float
-) -> dict[str, float]:
-    """The heartbeat's cost between two ``Heartbeat.cost()`` readings ``wall_s`` apart."""
-    cost = {k: after[k] - before[k] for k in ("loop_s", "loop_calls", "sender_cpu_s")}
-    cost["heartbeats"] = after["heartbeats"] - before["heartbeats"]
-    cost["wall_s"] = wall_s
-    cost["share"] = (cost["loop_s"] + cost["sender_cpu_s"]) / wall_s
-    return cost
-
-
-def optimizer_groups(model: nn.Module, config: OptimConfig) -> list[dict[str, Any]]:
-    """Two groups of ``model``'s parameters: weights with weight decay; biases, norm
-    parameters and embeddings without (and, for LAMB, without layer adaptation)."""
-    return lamb_param_groups(model, config.weight_decay, exclude_types=(nn.Embedding,))
-
-
-def optimizer_factory(config: OptimConfig) -> OptimizerFactory:
-    """``make(param_groups, shards)``: LAMB (ms-optim) or AdamW (torch) on the groups an
-    engine hands over; with ZeRO's ``shards`` LAMB completes its per-parameter norms
-    over the data-parallel group (one packed all-reduce)."""
-    betas = (config.beta1, config.beta2)
-
-    def make(groups: list[dict[str, Any]], shards: ShardSpec | None) -> torch.optim.Optimizer:
-        if config.name == "lamb":
-            if shards is not None and shards.group is not None:
-                return Lamb(
-                    groups,
-                    lr=config.lr,
-                    betas=betas,
-                    eps=config.eps,
-                    shards=ShardMap(
-                        param_ids=shards.param_ids,
-                        numels=shards.numels,
-                        replicated=shards.replicated,
-                    ),
-                    process_group=shards.group,
-                )
-            return Lamb(groups, lr=config.lr, betas=betas, eps=config.eps)
-        plain = [{k: v for k, v in g.items() if k != "layer_adaptation"} for g in groups]
-        return torch.optim.AdamW(plain, lr=config.lr, betas=betas, eps=config.eps)
-
-    return make
+# The checkpoint's entry for the tensor-parallel chunk plan (absent before 0.5 and at TP 1).
+_TP_CHUNKS = "tp_chunks"
 
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
     """The optimizer of :func:`optimizer_factory` on ``model``'s own parameters."""
     return optimizer_factory(config)(optimizer_groups(model, config), None)
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return default if value is None else int(value)
-
-
-def _resolve_device(choice: str, local_rank: int) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device is 'cuda' but CUDA is not available here")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def _resolve_precision(choice: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for fp32."""
-    if choice == "fp32":
-        return None
-    if choice == "bf16":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("train.precision is 'bf16' but this GPU does not support bf16")
-        return torch.bfloat16
-    # auto: bf16 where it is fast (CUDA with bf16 support); fp32 on CPU.
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return None
 
 
 class Trainer:
@@ -230,14 +104,13 @@ class Trainer:
             at another data-parallel size too, where the same step must mean the same
             global samples; ``data_wait_s`` and ``wall_s`` counters, when it has them,
             feed the data-wait metric; ``close()`` is called by :meth:`close`.
+        keep_signal_handlers: whether :meth:`train`'s SIGINT/SIGTERM handlers stay
+            installed after it and :meth:`close` (default False: they are put back, as
+            a library should). The ``ms-train`` rank process keeps them: it ends with
+            the trainer, and a signal that comes while it ends (the elastic agent's
+            SIGTERM once a peer has died) must let it end on its own and report, not
+            kill it.
     """
-
-    #: Whether :meth:`train`'s SIGINT/SIGTERM handlers stay installed after it and
-    #: :meth:`close` (False: they are put back, as a library should). The ``ms-train``
-    #: rank process sets it: its process ends with the trainer, and a signal that comes
-    #: while it ends (the elastic agent's SIGTERM once a peer has died) must let it end
-    #: on its own and report, not kill it.
-    keep_signal_handlers = False
 
     def __init__(
         self,
@@ -248,7 +121,9 @@ class Trainer:
         peak_flops: float | None = None,
         job_id: str | None = None,
         loader: Any = None,
+        keep_signal_handlers: bool = False,
     ) -> None:
+        self._keep_signal_handlers = keep_signal_handlers
         try:
             self._build(
                 config,
@@ -296,7 +171,7 @@ class Trainer:
         preflight(config, data=loader is None)  # before the process group and the model
         self._owns_group = False
         self._closed = False
-        world = _env_int("WORLD_SIZE", 1)
+        world = env_int("WORLD_SIZE", 1)
         if world > 1 and not dist.is_initialized():
             backend = (
                 "nccl" if torch.cuda.is_available() and config.train.device != "cpu" else "gloo"
@@ -311,10 +186,11 @@ class Trainer:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         p = config.parallel
         self.dp, self.grad_accum = config.layout(self.world_size)
-        self.local_rank = _env_int("LOCAL_RANK", self.rank)
-        self.local_world_size = _env_int("LOCAL_WORLD_SIZE", self.world_size)
-        self.device = _resolve_device(config.train.device, self.local_rank)
-        self.autocast_dtype = _resolve_precision(config.train.precision, self.device)
+        m = config.model
+        self.local_rank = env_int("LOCAL_RANK", self.rank)
+        self.local_world_size = env_int("LOCAL_WORLD_SIZE", self.world_size)
+        self.device = resolve_device(config.train.device, self.local_rank)
+        self.autocast_dtype = resolve_precision(config.train.precision, self.device)
         self.stream = sys.stdout if stream is None else stream
         self.out_dir = Path(config.train.out_dir)
         self.checkpoint_dir = config.checkpoint.dir or str(self.out_dir / "ckpt")
@@ -327,9 +203,21 @@ class Trainer:
             log=self._say,
         )
         seed_rank(config.train.seed, self.rank, 0)  # dropout; weights seed by name
+        # The mesh and this rank's place in it are the engine's: the loader, the
+        # held-out eval, the loss mean, the checkpointer and the heartbeats take them
+        # from engine.topology, never from the global rank.
+        mesh = build_mesh(dp=self.dp, tp=p.tp) if dist.is_initialized() else None
+        # Heartbeats to an ms-health driver when the launcher named one (MS_HEALTH_URL).
+        self.health = _health.start_heartbeat()
+        on_event = None if self.health is None else self.health.on_event
+        self.engine = (
+            engine if engine is not None else make_engine(p, self.device, on_event, mesh, m)
+        )
+        self.topology = self.engine.topology
+        if self.health is not None and self.topology.tp_size > 1:
+            self.health.set_mesh({"dp": self.topology.dp_rank, "tp": self.topology.tp_rank})
 
         self.tokenizer = get_tokenizer(config.data.tokenizer)
-        m = config.model
         if self.tokenizer.vocab_size > m.vocab_size:
             raise ConfigError(
                 f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's "
@@ -354,15 +242,23 @@ class Trainer:
         self.evaluator = self._held_out_eval() if config.train.eval_every else None
 
         self.model = GPT(m, device=self.device)
-        # Heartbeats to an ms-health driver when the launcher named one (MS_HEALTH_URL).
-        self.health = _health.start_heartbeat()
-        on_event = None if self.health is None else self.health.on_event
-        self.engine = engine if engine is not None else make_engine(p, self.device, on_event)
+        if self.topology.tp_size > 1:
+            assert mesh is not None
+            parallelize(
+                self.model,
+                mesh["tp"],
+                chunks=p.tp_chunks or None,  # 0: measured per shape (a ChunkTuner)
+                timeout_s=p.collective_timeout_s,
+                on_event=on_event,
+            )
         self.engine.setup(
             self.model, optimizer_groups(self.model, config.optim), optimizer_factory(config.optim)
         )
         self.optimizer = self.engine.optimizer
-        self.checkpointer = Checkpointer(self.checkpoint_dir, keep_last=config.checkpoint.keep_last)
+        # One part per TP rank: the DP group of the mesh holds the replicas.
+        self.checkpointer = Checkpointer(
+            self.checkpoint_dir, keep_last=config.checkpoint.keep_last, mesh=mesh, dp_dim="dp"
+        )
         self.flops_per_token = model_flops_per_token(m).total
         self._peak: Peak | None = None
         if peak_flops is not None:
@@ -383,7 +279,7 @@ class Trainer:
             seed=c.data.seed,
             eos_id=self.tokenizer.eos_id,
             shuffle=c.data.shuffle,
-            dp_rank=self.rank,
+            dp_rank=self.topology.dp_rank,
             dp_size=self.dp,
             held_out=c.data.eval_fraction,
         )
@@ -393,7 +289,9 @@ class Trainer:
         return NodeLoader(
             self.dataset,
             micro_batch=c.data.micro_batch,
-            dp_rank=self.rank,
+            # TP peers read the same samples: one reader per node feeds them all.
+            tp_size=self.topology.tp_size,
+            dp_rank=self.topology.dp_rank,
             dp_size=self.dp,
             local_rank=self.local_rank,
             local_world_size=self.local_world_size,
@@ -413,10 +311,10 @@ class Trainer:
             batches=c.train.eval_batches,
             global_batch=c.data.global_batch,
             micro_batch=c.data.micro_batch,
-            dp_rank=self.rank,
+            dp_rank=self.topology.dp_rank,
             dp_size=self.dp,
             device=self.device,
-            group=dist.group.WORLD if dist.is_initialized() else None,
+            group=self.topology.dp_group,
         )
 
     def _waits(self) -> tuple[float, float]:
@@ -466,15 +364,23 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint of ``step`` holds (and what a resume loads into)."""
         state = {
             **self.engine.state(),  # model and optim, in the engine's form
             "rng": RankRNG(),
-            "step": self.step,
+            "step": step,
         }
         if callable(getattr(self.loader, "state_dict", None)):
             state["loader"] = self.loader
+        if self.model.chunk_tuner is not None:
+            state[_TP_CHUNKS] = self.model.chunk_tuner  # the resumed run's chunk counts
         return state
+
+    def _close_loader(self) -> None:
+        close = getattr(self.loader, "close", None)
+        if callable(close):
+            close()
 
     def data_wait_fraction(self) -> float:
         """The share of this rank's step time spent waiting for data, start-ups excluded."""
@@ -508,10 +414,12 @@ class Trainer:
         has = self._agree(self.checkpointer.latest_step() is not None if self.rank == 0 else None)
         if not has:
             return 0
-        state = self._state()
+        state = self._state(self.step)
         # Saved at another data-parallel size, the per-rank RNG states have no owner
         # here: the rest loads, and the rule of ms_train._rng seeds this rank's.
-        self.step = self.checkpointer.load(state, fallback=True, per_rank="keep")
+        self.step = self.checkpointer.load(
+            state, fallback=True, per_rank="keep", optional=(_TP_CHUNKS,)
+        )
         if not state["rng"].restored:
             seed_rank(self.config.train.seed, self.rank, self.step)
             self._rng_seeded = True
@@ -551,12 +459,16 @@ class Trainer:
             _, loss = module(batch[:, :-1], batch[:, 1:])
         return loss  # type: ignore[no-any-return]
 
-    def _global_mean(self, value: torch.Tensor) -> float:
-        if self.world_size > 1:
-            value = value.clone()
-            dist.all_reduce(value)
-            value /= self.world_size
-        return float(value.item())
+    def _loss_mean(self, loss: torch.Tensor) -> float:
+        """``loss``'s mean over the data-parallel ranks (collective with several); the
+        TP peers of a replica hold the same loss."""
+        group = self.topology.dp_group
+        with self._waiting("loss_mean"):
+            if group is not None and self.topology.dp_size > 1:
+                loss = loss.clone()
+                dist.all_reduce(loss, group=group)
+                loss /= self.topology.dp_size
+            return float(loss.item())
 
     def train(self) -> RunSummary:
         """Resume if there is a checkpoint, train to ``train.steps``, checkpoint, report.
@@ -566,167 +478,172 @@ class Trainer:
         one ends the process at once (``ms_train._stop``).
         """
         c = self.config
-        under = launched()
-        self._stop = stop = _stop.StopRequest(
-            c.checkpoint.grace_s,
-            lambda first: _stop.stop_at_once(self, first),
-            self.world_size,
-            stop_file=None if under is None else under[1] / _stop.STOP_FILE,
-        ).install()
+        stop = self._take_signals()
         start = self.resume()
         total_steps = c.train.steps
-        tokens_per_step = c.data.global_batch * c.model.seq_len
         if self.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2) + "\n")
         self._header(start)
-        metrics = (
-            report.MetricsLog(self.out_dir / "metrics.jsonl", resume_at=start)
+        records = (
+            RunRecords(self.out_dir, start=start, tensorboard=c.train.tensorboard)
             if self.rank == 0
             else None
         )
         progress = report.Progress(total_steps, start=start, stream=self.stream)
-        peak_of = self.peak() if start < total_steps else self._peak
-        peak = math.nan if peak_of is None else peak_of.flops
-        tensorboard = (
-            TensorBoardLog(self.out_dir / "tensorboard", purge_step=start)
-            if c.train.tensorboard and self.rank == 0
-            else None
-        )
-        warned = False  # an MFU over 100% is explained once, marked on every line
-
-        losses: list[tuple[int, float]] = []
-        evals: list[tuple[int, float]] = []
-        cost0: dict[str, float] | None = None  # the heartbeat's cost when rates start
-        window_loss = torch.zeros((), device=self.device)
+        peak = self.peak() if start < total_steps else self._peak
         group = dist.group.WORLD if self.world_size > 1 else None
         self.saves = _saves.Saves(
             self.checkpointer, max_failures=c.checkpoint.max_failures, log=self._say, group=group
         )
-        t_first = t_window = time.perf_counter()
-        window_steps = 0
-        wait0 = self._waits()
+        window = self._window(start, peak, records, progress)
         hb = self.health
         if hb is not None:
             hb.set_phase("train")
             progress.health = hb.summary
-        tokens_per_rank = tokens_per_step / self.world_size
+        tokens_per_rank = window.tokens_per_step / self.world_size
         for step in range(start, total_steps):
             loss, grad_norm, lr = self.train_step(step)
             self.step = done = step + 1
             if hb is not None:  # no sync: the sender converts the loss on its thread
                 hb.step(done, loss=loss, tokens=tokens_per_rank)
-            window_steps += 1
-            window_loss += loss
-            logged = done == start + 1 or done % c.train.log_every == 0 or done == total_steps
-            evaluating = bool(c.train.eval_every) and (
-                done % c.train.eval_every == 0 or done == total_steps
-            )
-            logged = logged or evaluating
-            record: dict[str, float] | None = None
-            if logged:
-                with self._waiting("loss_mean"):
-                    mean_loss = self._global_mean(window_loss / window_steps)
-                now = time.perf_counter()
-                rate = window_steps * tokens_per_step / max(now - t_window, 1e-9)
-                waits = self._waits()
-                waited, walled = waits[0] - wait0[0], waits[1] - wait0[1]
-                record = {
-                    "step": done,
-                    "loss": mean_loss,
-                    "lr": lr,
-                    "grad_norm": float(grad_norm.item()),
-                    "tokens_per_s": rate,
-                    "mfu": rate * self.flops_per_token / (self.world_size * peak),
-                    "data_wait": waited / walled if walled > 0 else 0.0,
-                    "tokens": done * tokens_per_step,
-                }
-                losses.append((done, mean_loss))
-                if evaluating and self.evaluator is not None:
-                    t_eval = time.perf_counter()
-                    with self._phase("eval"):
-                        record["eval_loss"] = self.evaluator.loss(
-                            self.engine.eval_module, self._autocast
-                        )
-                    evals.append((done, record["eval_loss"]))
-                    spent = time.perf_counter() - t_eval  # not training time
-                    now += spent
-                    t_first += spent
-                if metrics is not None:
-                    metrics.write(record)
-                if tensorboard is not None:
-                    tensorboard.write(record)
-                warning = over_peak_warning(record["mfu"], peak_of) if peak_of else None
-                if warning and not warned and self.rank == 0:
-                    progress.note(warning)
-                    warned = True
-                if done == start + 1:  # rates from here on leave out start-up
-                    t_first = now
-                    cost0 = hb.cost() if hb is not None else None
-                t_window, window_steps = now, 0
-                window_loss.zero_()
-                wait0 = self._waits()
-            if (c.checkpoint.every and done % c.checkpoint.every == 0) or done == total_steps:
-                self.step = done
-                # The norm is global (every rank has the same): the ranks agree to skip.
-                norm = float(grad_norm.item())
-                if math.isfinite(norm):
-                    with self._phase("checkpoint"):
-                        self.saves.save(done, self._state())
-                else:
-                    self._say(
-                        f"ms-train: warning: not saving step {done}: its gradient norm is "
-                        f"{norm} (the model may be damaged); a resume starts from the "
-                        "newest committed checkpoint before it"
-                    )
+            record = window.log(done, loss, grad_norm, lr)
+            self._checkpoint(done, grad_norm)
             if self.rank == 0:
-                elapsed = time.perf_counter() - t_first
-                per_step = elapsed / (done - start - 1) if done > start + 1 else math.nan
-                progress.update(done, per_step * (total_steps - done), record)
+                progress.update(done, window.eta(done), record)
             with self._waiting("stop_flag"):
                 stopping = stop.agreed()
             if stopping:
                 progress.close()
-                if metrics is not None:
-                    metrics.close()
-                with self._phase("checkpoint"):
-                    stopped = _stop.finish(self, stop, done, self.saves.in_flight)
-                raise stopped
-        t_end = time.perf_counter()  # the final checkpoint's write is not training time
-        health_cost = None
-        if hb is not None and cost0 is not None and t_end > t_first:
-            health_cost = _health_cost(cost0, hb.cost(), t_end - t_first)
+                if records is not None:
+                    records.close()
+                raise self._final_save(stop, done)
+        rates = window.finish()  # the final checkpoint's write is not training time
         progress.close()
         with self._phase("checkpoint"):
             # A first signal now lets this save finish (the handlers stay until it has);
             # a second abandons it.
-            self.saves.finish(self._state)
-        if not self.keep_signal_handlers:
+            self.saves.finish(lambda: self._state(self.step))
+        if not self._keep_signal_handlers:
             stop.restore()
-        if metrics is not None:
-            metrics.close()
-        if tensorboard is not None:
-            tensorboard.close()
+        if records is not None:
+            records.close()
+        summary = self._summary(start, window, rates)
+        # The sample's forward is collective over the TP group: the first replica's TP
+        # ranks all run it, rank 0 writes it.
+        # Its own phase for the driver: a sample of many tokens is no stalled step.
+        with self._phase("sample"):
+            sample = None
+            if self.topology.dp_rank == 0 and (self.rank == 0 or self.topology.tp_size > 1):
+                sample = self.sample()
+            if self.rank == 0:
+                summary = write_report(summary, self.out_dir, sample=lambda: sample, say=self._say)
+        return summary
 
-        trained = max(0, total_steps - start)
-        timed_steps = max(0, trained - 1)
-        wall = t_end - t_first if trained else 0.0
-        rate = timed_steps * tokens_per_step / wall if timed_steps and wall > 0 else math.nan
-        summary = RunSummary(
+    def _take_signals(self) -> _stop.StopRequest:
+        """SIGINT and SIGTERM handlers for :meth:`train`, and under the ``ms-train``
+        launcher its stop file (``ms_train._stop``)."""
+        under = launched()
+
+        def at_once(first: int) -> None:
+            _stop.stop_at_once(
+                first,
+                checkpointer=self.checkpointer,
+                close_loader=self._close_loader,
+                checkpoint_dir=self.checkpoint_dir,
+                stream=self.stream if self.rank == 0 else None,
+                under_launcher=under is not None,
+            )
+
+        self._stop = _stop.StopRequest(
+            self.config.checkpoint.grace_s,
+            at_once,
+            self.world_size,
+            stop_file=None if under is None else under[1] / _stop.STOP_FILE,
+        ).install()
+        return self._stop
+
+    def _window(
+        self,
+        start: int,
+        peak: Peak | None,
+        records: RunRecords | None,
+        progress: report.Progress,
+    ) -> MetricWindow:
+        """The metric window of a run from ``start``; rank 0 writes and warns."""
+        c = self.config
+        evaluate = None
+        evaluator = self.evaluator
+        if evaluator is not None:
+
+            def evaluate() -> float:
+                with self._phase("eval"):
+                    return evaluator.loss(self.engine.eval_module, self._autocast)
+
+        return MetricWindow(
+            start=start,
+            train=c.train,
+            tokens_per_step=c.data.global_batch * c.model.seq_len,
+            flops_per_token=self.flops_per_token,
+            world_size=self.world_size,
+            peak=peak,
+            device=self.device,
+            mean=self._loss_mean,
+            waits=self._waits,
+            evaluate=evaluate,
+            cost=None if self.health is None else self.health.cost,
+            write=None if records is None else records.write,
+            warn=progress.note if self.rank == 0 else None,
+        )
+
+    def _checkpoint(self, done: int, grad_norm: torch.Tensor) -> None:
+        """Save step ``done`` every ``checkpoint.every`` steps and at the last."""
+        every = self.config.checkpoint.every
+        if not ((every and done % every == 0) or done == self.config.train.steps):
+            return
+        # The norm is global (every rank has the same): the ranks agree to skip.
+        norm = float(grad_norm.item())
+        if math.isfinite(norm):
+            with self._phase("checkpoint"):
+                self.saves.save(done, self._state(done))
+        else:
+            self._say(
+                f"ms-train: warning: not saving step {done}: its gradient norm is "
+                f"{norm} (the model may be damaged); a resume starts from the "
+                "newest committed checkpoint before it"
+            )
+
+    def _final_save(self, stop: _stop.StopRequest, done: int) -> _stop.Stopped:
+        """The stop's save of step ``done`` and its account."""
+        with self._phase("checkpoint"):
+            return _stop.finish(
+                stop,
+                done,
+                state=self._state,
+                checkpointer=self.checkpointer,
+                in_flight=self.saves.in_flight,
+                checkpoint_dir=self.checkpoint_dir,
+            )
+
+    def _summary(self, start: int, window: MetricWindow, rates: RunRates) -> RunSummary:
+        """What the run did, the same on every rank (rank 0 adds its files)."""
+        peak = window.peak
+        trained = max(0, window.total_steps - start)
+        return RunSummary(
             start_step=start,
-            end_step=max(start, total_steps),
-            final_loss=losses[-1][1] if losses else math.nan,
-            loss_history=losses,
-            eval_loss=evals[-1][1] if evals else math.nan,
-            eval_history=evals,
-            tokens=trained * tokens_per_step,
-            wall_s=wall,
-            tokens_per_s=rate,
-            mfu=rate * self.flops_per_token / (self.world_size * peak),
+            end_step=max(start, window.total_steps),
+            final_loss=window.losses[-1][1] if window.losses else math.nan,
+            loss_history=window.losses,
+            eval_loss=window.evals[-1][1] if window.evals else math.nan,
+            eval_history=window.evals,
+            tokens=trained * window.tokens_per_step,
+            wall_s=rates.wall_s,
+            tokens_per_s=rates.tokens_per_s,
+            mfu=rates.mfu,
             data_wait=self.data_wait_fraction(),
-            peak_flops=peak,
-            peak_flops_source=peak_of.source if peak_of else None,
-            peak_flops_detail=peak_of.detail if peak_of else "",
+            peak_flops=window.peak_flops,
+            peak_flops_source=None if peak is None else peak.source,
+            peak_flops_detail="" if peak is None else peak.detail,
             world_size=self.world_size,
             dp=self.dp,
             grad_accum=self.grad_accum,
@@ -734,11 +651,8 @@ class Trainer:
             checkpoint_dir=self.checkpoint_dir,
             files={},
             sample=None,
-            health_cost=health_cost,
+            health_cost=rates.health_cost,
         )
-        if self.rank == 0:
-            summary = self._finish(summary)
-        return summary
 
     # ------------------------------------------------------------------ reporting
 
@@ -755,6 +669,14 @@ class Trainer:
             f"{self.dp} x micro-batch {c.data.micro_batch} x accumulation {self.grad_accum} "
             f"= global batch {c.data.global_batch}; engine {self.engine.name}; "
             f"optimizer {c.optim.name}",
+            *(
+                [
+                    f"  tensor-parallel {self.topology.tp_size} with sequence parallelism; "
+                    f"chunks {c.parallel.tp_chunks or 'measured per shape'}"
+                ]
+                if self.topology.tp_size > 1
+                else []
+            ),
             f"  data: {self._describe_data()}",
         ]
         if self.evaluator is not None:
@@ -774,8 +696,8 @@ class Trainer:
             )
             if self._rng_seeded:
                 lines.append(
-                    "  rng: the checkpoint was saved at another data-parallel size; each "
-                    "rank's RNG is seeded from train.seed, its rank and the step"
+                    "  rng: the checkpoint was saved at another data- or tensor-parallel "
+                    "size; each rank's RNG is seeded from train.seed, its rank and the step"
                 )
         else:
             lines.append(
@@ -815,57 +737,6 @@ class Trainer:
             return " ".join(str(i) for i in ids[0].tolist())
         return str(decode(ids[0].tolist()))
 
-    def _finish(self, summary: RunSummary) -> RunSummary:
-        """Rank 0: the loss plot, the sample and the summary table, written and shown."""
-        files = {"metrics": str(self.out_dir / "metrics.jsonl")}
-        records = report.read_metrics(files["metrics"])
-        if report.plot_loss(records, self.out_dir / "loss.png"):
-            files["loss_plot"] = str(self.out_dir / "loss.png")
-        text = self.sample()
-        if text is not None:
-            files["sample"] = str(self.out_dir / "sample.txt")
-            Path(files["sample"]).write_text(text + "\n")
-            self._say("sample:\n" + "\n".join("  | " + line for line in text.splitlines()))
-        files["summary"] = str(self.out_dir / "summary.json")
-        summary = attrs.evolve(summary, files=files, sample=text)
-        self._say(report.format_summary(self._rows(summary, records)))
-        Path(files["summary"]).write_text(
-            json.dumps(attrs.asdict(summary), indent=2, default=str) + "\n"
-        )
-        return summary
-
-    def _rows(self, s: RunSummary, records: list[dict[str, Any]]) -> list[tuple[str, str]]:
-        def num(x: float, fmt: str) -> str:
-            return "n/a" if not math.isfinite(x) else format(x, fmt)
-
-        first = records[0]["loss"] if records else math.nan
-        last = records[-1]["loss"] if records else math.nan
-        evals = [r for r in records if "eval_loss" in r]
-        rows = [
-            ("steps", f"{s.start_step} -> {s.end_step} (this run: {s.end_step - s.start_step})"),
-            (
-                "loss",
-                f"{num(first, '.4f')} (step {records[0]['step']}) -> {num(last, '.4f')} "
-                f"(step {records[-1]['step']})"
-                if records
-                else "n/a",
-            ),
-            *(
-                [("held-out loss", f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})")]
-                if evals
-                else []
-            ),
-            ("tokens (this run)", f"{s.tokens:,}"),
-            ("wall time", report.format_duration(s.wall_s)),
-            ("throughput", f"{num(s.tokens_per_s, ',.0f')} tokens/s"),
-            ("MFU", report.format_mfu(s.mfu, s.peak_flops, s.peak_flops_source)),
-            *([("peak", s.peak_flops_detail)] if s.peak_flops_source else []),
-            ("data wait", f"{100 * s.data_wait:.1f}% of step time"),
-            ("checkpoints", s.checkpoint_dir),
-        ]
-        rows += [(name.replace("_", " "), path) for name, path in s.files.items()]
-        return rows
-
     # ------------------------------------------------------------------ shutdown
 
     def close(self) -> None:
@@ -877,13 +748,11 @@ class Trainer:
             with self._phase("shutdown"):
                 self.checkpointer.finalize()  # under the stop handlers, as the save was
         finally:
-            if self._stop is not None and not self.keep_signal_handlers:
+            if self._stop is not None and not self._keep_signal_handlers:
                 self._stop.restore()
             if self.health is not None:
                 self.health.stop()
-            close = getattr(self.loader, "close", None)
-            if callable(close):
-                close()
+            self._close_loader()
             self._run_lock.release()
             if self._owns_group and dist.is_initialized():
                 dist.destroy_process_group()

@@ -25,11 +25,12 @@ def write_train_config(
     checkpoint_dir: Path | None = None,
     micro_batch: int | None = None,
     log_every: int = 1,
+    tp: int = 1,
 ) -> Path:
     """Write the run's TOML to ``path`` (checkpoints every ``every`` steps, 0: at the end
     only; under ``out_dir/ckpt`` unless ``checkpoint_dir``; ``micro_batch`` smaller than
     the width's for more data-parallel ranks; ``log_every`` > 1 for less of rank 0's own
-    work per step); returns ``path``."""
+    work per step; ``tp`` > 1 for tensor parallelism); returns ``path``."""
     ckpt = "" if checkpoint_dir is None else f"dir = {json.dumps(str(checkpoint_dir))}\n"
     path.write_text(
         f"""[model]
@@ -47,6 +48,9 @@ global_batch = {width // 4}
 
 [optim]
 warmup_steps = 3
+
+[parallel]
+tp = {tp}
 
 [train]
 steps = {steps}
