@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 DIST ?= dist
 BUILD_STAMP := $(VENV)/.ms-build-tools
 
-.PHONY: run test test-fast lint typecheck pytest pytest-jobs pytest-rest pytest-alone test-one dist bench-optim bench-kernels bench-kernels-gpu bench-attention-tiles bench-data bench-ckpt bench-ckpt-gpu bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-health bench-health-overhead bench-health-window bench-health-recovery bench-health-soak bench-health-straggler clean
+.PHONY: run test test-fast lint typecheck pytest pytest-jobs pytest-rest pytest-alone test-one dist bench-optim bench-kernels bench-kernels-gpu bench-attention-tiles bench-data bench-ckpt bench-ckpt-gpu bench-train bench-kill-soak bench-mesh bench-parallel bench-parallel-memory bench-parallel-tp bench-parallel-tp-memory bench-parallel-gpu-tp bench-health bench-health-overhead bench-health-window bench-health-recovery bench-health-soak bench-health-straggler clean
 
 $(STAMP): requirements/dev.txt tools/ms-testing/pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES)) \
 		$(wildcard packages/*/src/*/_version.py)
@@ -148,6 +148,19 @@ bench-parallel: $(STAMP)
 # Memory per rank of a ~100M-parameter model: ms ZeRO-2 against DDP.
 bench-parallel-memory: $(STAMP)
 	$(BIN)/python tools/bench/parallel/memory.py
+
+# Tensor parallelism under injected latency (L = 0 and one chunk's GEMM): ms fused by
+# chunk count and measured, ms unfused, torch DTensor TP, at DP 1 x TP 2 and DP 2 x TP 2.
+bench-parallel-tp: $(STAMP)
+	$(BIN)/python tools/bench/parallel/tp_overlap.py --rounds 3
+
+# Activation memory per rank between blocks and saved for backward, TP 1, 2 and 4.
+bench-parallel-tp-memory: $(STAMP)
+	$(BIN)/python tools/bench/parallel/tp_memory.py
+
+# The collective matmuls on 2+ GPUs (NCCL) against torch's SymmetricMemory fused ops.
+bench-parallel-gpu-tp: $(STAMP)
+	$(BIN)/python tools/bench/parallel/gpu_tp.py
 
 # What the heartbeat sender costs the loop: hb.step() and hb.on_event() per call against
 # no-op floors, and the sender thread's CPU per heartbeat (issue 16).

@@ -134,6 +134,7 @@ def test_attention_tiles_without_cuda_says_so_and_measures_nothing(tmp_path: Pat
     assert not list(tmp_path.rglob("*")), "wrote files without measuring anything"
 
 
+@pytest.mark.slow
 def test_attention_tiles_smoke_sweeps_every_kernel_and_writes_nothing(tmp_path: Path) -> None:
     proc = _run_bench("kernels/attention_tiles.py", "--smoke", cwd=tmp_path, env=_hidden_cuda())
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -196,7 +197,10 @@ def test_train_throughput_smoke_writes_ratio_and_mfu(tmp_path: Path) -> None:
     """ms-train and the plain loops each train a few steps; the JSON holds the ratios and
     the CPU MFU, and both ran the same math (the same losses)."""
     out = tmp_path / "out" / "train_throughput.json"
-    proc = _run_bench("train/throughput.py", "--smoke", "--out", str(out), cwd=tmp_path)
+    # One intra-op thread: beside other busy processes (the rest of the suite), two
+    # threads wait on each other at every op (tools/bench/train/throughput.py).
+    args = ("--smoke", "--threads", "1", "--out", str(out))
+    proc = _run_bench("train/throughput.py", *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
     assert "ratio ms-train / plain, median of 1 runs each over the mean of the plain" in (
@@ -287,6 +291,7 @@ def test_mesh_init_smoke_times_and_counts_every_candidate(tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["mesh_init.json"]
 
 
+@pytest.mark.slow
 def test_parallel_overlap_smoke_measures_every_candidate_under_latency(tmp_path: Path) -> None:
     """Two gloo ranks run the compute-only floor, ms ZeRO-2 (six ways), torch DDP and
     torch FSDP2 (two ways) under no added latency, one block's forward and three, on
@@ -509,6 +514,7 @@ def _trace(heartbeats: list[dict[str, object]], slowed: list[dict[str, object]])
     }
 
 
+@pytest.mark.slow
 def test_health_straggler_trace_replays_a_trace_under_each_setting(tmp_path: Path) -> None:
     """A made trace of 4 ranks on 50 ms steps: rank 1 at 1.4x its peers' CPU time from
     step 10 to 40, 2.4 ms of the step (a shared core); rank 3 spinning 25 ms more per
@@ -601,3 +607,66 @@ def test_health_straggler_trace_smoke_records_every_heartbeat(tmp_path: Path) ->
     assert replayed.returncode == 0, replayed.stderr[-3000:]
     assert "| 1.35 | 3 | 0.1 |" in replayed.stdout
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "trace.json"]
+
+
+def test_gpu_tp_without_cuda_says_so_and_measures_nothing(tmp_path: Path) -> None:
+    proc = _run_bench("parallel/gpu_tp.py", cwd=tmp_path, env=_hidden_cuda())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("no CUDA device"), proc.stdout
+    assert not list(tmp_path.rglob("*")), "wrote files without measuring anything"
+
+
+@pytest.mark.slow
+def test_tp_overlap_smoke_times_every_candidate_and_counts_wire_bytes(tmp_path: Path) -> None:
+    """Two gloo ranks on the latency backend run the MLP, the parallel block and the tiny
+    GPT under each candidate: ms fused by chunk count and measured, ms unfused, torch
+    DTensor TP; the JSON holds every one's step, its ratios and the bytes it sent."""
+    out = tmp_path / "tp_overlap.json"
+    proc = _run_bench("parallel/tp_overlap.py", "--smoke", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("smoke: not a measurement"), proc.stdout[:500]
+    record = json.loads(out.read_text())
+    assert record["smoke"] is True
+    assert [(r["layout"], r["case"]["name"]) for r in record["results"]] == [
+        ("1x2", "mlp"),
+        ("1x2", "block"),
+        ("1x2", "gpt"),
+    ]
+    for result in record["results"]:
+        assert result["chunk_gemm_s"] > 0
+        assert len(result["latencies"]) == 2  # L = 0 and L = one chunk's GEMM
+        for res in result["latencies"].values():
+            rows = res["summary"]
+            assert list(rows) == [
+                "ms fused, chunks=1",
+                "ms fused, chunks=2",
+                "ms fused, chunks=4",
+                "ms fused, measured",
+                "ms unfused",
+                "torch DTensor TP",
+            ]
+            assert rows["torch DTensor TP"]["over_torch"] == 1.0
+            assert rows["torch DTensor TP"]["exposed"] is None  # not in the event log
+            assert rows["ms unfused"]["over_unfused"] == 1.0
+            for name, row in rows.items():
+                assert row["step_ms"] > 0, name
+                assert row["wire_mb"] > 0, name
+                if name != "torch DTensor TP":
+                    assert 0 < row["exposed"] < 1, name
+            # the tuner chose a count for each fused shape
+            assert res["tuned"] and all(c in (1, 2, 4) for c in res["tuned"].values())
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["tp_overlap.json"]
+
+
+@pytest.mark.slow
+def test_tp_memory_measures_each_size(tmp_path: Path) -> None:
+    """One forward at TP 1 and on 2 gloo ranks: the hidden states between blocks halve
+    (sequence parallelism), and what the blocks save for backward shrinks."""
+    out = tmp_path / "tp_memory.json"
+    args = ("--tp", "2", "--width", "64", "--layers", "1", "--seq", "32", "--batch", "2")
+    proc = _run_bench("parallel/tp_memory.py", *args, "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"1", "2"}
+    assert rows["2"]["between_blocks_mib"] == pytest.approx(rows["1"]["between_blocks_mib"] / 2)
+    assert 0 < rows["2"]["saved_blocks_mib"] < rows["1"]["saved_blocks_mib"]

@@ -92,6 +92,7 @@ def test_sigkill_writer_mid_shard(tmp_path: Path) -> None:
     assert_loads_step(tmp_path, 3)
 
 
+@pytest.mark.slow
 def test_the_writer_ignores_sigint_and_sigterm(tmp_path: Path) -> None:
     """Ctrl-C reaches the terminal's whole process group and torchrun signals a rank's
     whole group; the writer finishes the save its trainer asked for."""

@@ -49,24 +49,34 @@ def _column_case(world: int, chunks: int, overlap: bool, n_weights: int) -> dict
     }
 
 
-def _row_case(world: int, chunks: int, overlap: bool, n_inputs: int) -> dict[str, object]:
+def _row_case(
+    world: int, chunks: int, overlap: bool, n_inputs: int, scaled: bool = False
+) -> dict[str, object]:
+    """``scaled``: the first input's product is multiplied by a dropout-like mask (the
+    same on every rank) before the sum, the second's (if any) is not."""
     rank = dist.get_rank()
     ks = [K, 2 * K][:n_inputs]
     x_full = [_full(20 + i, world * S, B, k) for i, k in enumerate(ks)]
     w_full = [_full(30 + i, N, k) for i, k in enumerate(ks)]
     g_full = _full(40, world * S, B, N)
+    ones = torch.ones(world * S, B, N, dtype=torch.float64)
+    masks = [(_full(50, world * S, B, N) > 0).double() * 2 if scaled else ones, ones]
     parts = [slice(rank * k // world, (rank + 1) * k // world) for k in ks]
     xs = [x[..., c].float().requires_grad_() for x, c in zip(x_full, parts, strict=True)]
     ws = [w[:, c].float().requires_grad_() for w, c in zip(w_full, parts, strict=True)]
-    y = matmul_reduce_scatter(xs, ws, dist.group.WORLD, chunks=chunks, overlap=overlap)
+    scales = [masks[0].float(), None][:n_inputs] if scaled else None
+    y = matmul_reduce_scatter(
+        xs, ws, dist.group.WORLD, chunks=chunks, overlap=overlap, scales=scales
+    )
     mine = slice(rank * S, (rank + 1) * S)
     (y * g_full[mine].float()).sum().backward()
-    ref_y = sum(x @ w.t() for x, w in zip(x_full, w_full, strict=True))[mine]
+    ref_y = sum((x @ w.t()) * m for x, w, m in zip(x_full, w_full, masks, strict=False))[mine]
     torch.testing.assert_close(y.double(), ref_y, rtol=1e-5, atol=1e-5)
-    for x, w, c in zip(xs, w_full, parts, strict=True):
-        torch.testing.assert_close(x.grad.double(), g_full @ w[:, c], rtol=1e-5, atol=1e-5)
-    for w, x, c in zip(ws, x_full, parts, strict=True):
-        ref = torch.einsum("sbo,sbk->ok", g_full, x[..., c])
+    for x, w, c, m in zip(xs, w_full, parts, masks, strict=False):
+        ref = (g_full * m) @ w[:, c]
+        torch.testing.assert_close(x.grad.double(), ref, rtol=1e-5, atol=1e-5)
+    for w, x, c, m in zip(ws, x_full, parts, masks, strict=False):
+        ref = torch.einsum("sbo,sbk->ok", g_full * m, x[..., c])
         torch.testing.assert_close(w.grad.double(), ref, rtol=1e-5, atol=1e-5)
     return {"y": y.detach(), "dx": [x.grad.clone() for x in xs], "dw": [w.grad.clone() for w in ws]}
 
@@ -86,6 +96,8 @@ def _all_cases(world: int) -> dict[str, object]:
         for overlap in (True, False):
             out[f"row-{c}-{overlap}"] = _row_case(world, c, overlap, 2)
         out[f"row1-{c}"] = _row_case(world, c, True, 1)
+        for overlap in (True, False):
+            out[f"rowmask-{c}-{overlap}"] = _row_case(world, c, overlap, 2, scaled=True)
     return out
 
 
@@ -107,8 +119,10 @@ def test_fused_matmuls_match_float64_and_their_references(world: int) -> None:
             assert gathers[:pieces] == ["issue"] * pieces, gathers
             assert gathers.count("issue") == pieces
         for c in ROW_CHUNKS:
-            a, b = res[f"row-{c}-True"], res[f"row-{c}-False"]
-            torch.testing.assert_close(a["y"], b["y"], rtol=1e-6, atol=1e-6)
+            for kind in ("row", "rowmask"):
+                a, b = res[f"{kind}-{c}-True"], res[f"{kind}-{c}-False"]
+                torch.testing.assert_close(a["y"], b["y"], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(a["dx"], b["dx"], rtol=1e-6, atol=1e-6)
 
 
 def test_one_rank_is_a_plain_matmul() -> None:
@@ -131,3 +145,15 @@ def test_a_weight_of_the_wrong_width_is_named() -> None:
         ValueError, match=r"weights\[1\] must be a 2-D \(out, 4\) tensor, got \(3, 5\)"
     ):
         all_gather_matmul(torch.randn(2, 4), [torch.randn(3, 4), torch.randn(3, 5)], None)
+
+
+def test_scales_of_the_wrong_shape_or_with_a_gradient_are_refused() -> None:
+    x, w = torch.randn(4, 2, 8), torch.randn(6, 8)
+    with pytest.raises(ValueError, match=r"scales must hold one entry per input \(1\), got 2"):
+        matmul_reduce_scatter(x, w, None, scales=[None, None])
+    with pytest.raises(ValueError, match=r"scales\[0\] must be None or of the output's shape"):
+        matmul_reduce_scatter(x, w, None, scales=[torch.ones(4, 2, 8)])
+    with pytest.raises(ValueError, match=r"scales\[0\] must be a constant"):
+        matmul_reduce_scatter(x, w, None, scales=[torch.ones(4, 2, 6, requires_grad=True)])
+    mask = torch.ones(4, 2, 6).bernoulli_(0.5)
+    torch.testing.assert_close(matmul_reduce_scatter(x, w, None, scales=[mask]), (x @ w.t()) * mask)

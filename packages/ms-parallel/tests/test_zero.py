@@ -110,6 +110,7 @@ def _rank_events(prefetch_chunks):
     return events, len(zero._chunks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch_chunks", [None, 1])
 def test_events_show_chained_prefetch(prefetch_chunks):
     events, n_chunks = run_ranks(_rank_events, 2, args=(prefetch_chunks,), timeout=60)[0]
@@ -166,6 +167,7 @@ def _rank_stuck(timeout_s: float, prefetch_chunks):
 # step issues every gather, and the first collective it misses is a reduce-scatter;
 # gloo's emulated reduce-scatter ignores wait(timeout), so there only the group's own
 # timeout bounds the wait: ms-train sets it to parallel.collective_timeout_s.)
+@pytest.mark.slow
 @pytest.mark.parametrize(("prefetch_chunks", "op", "chunk"), [(1, "all_gather", "chunk 2")])
 def test_a_rank_that_stops_participating_is_named(prefetch_chunks, op, chunk):
     report = launch(_rank_stuck, 2, args=(2.0, prefetch_chunks), timeout=60)
@@ -198,6 +200,7 @@ def _rank_errors():
     return True
 
 
+@pytest.mark.slow
 def test_errors():
     assert run_ranks(_rank_errors, 2, timeout=60) == [True, True]
 
@@ -252,6 +255,7 @@ def _dropped_wrapper_is_freed(distributed: bool) -> tuple[bool, bool]:
     return wrapper() is None, model() is None
 
 
+@pytest.mark.slow
 def test_a_dropped_wrapper_frees_its_model_and_buffers():
     # torch holds post-accumulate-grad hooks out of the garbage collector's sight: a
     # hook holding the wrapper made every dropped wrapper and its model immortal.

@@ -134,6 +134,7 @@ def _rank_events(chain, replicated=0):
     return events, calls, n_chunks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chain", [None, 1])
 def test_events_show_each_gather_issued_as_its_chunk_is_stepped(chain):
     for events, calls, n_chunks in run_ranks(_rank_events, 2, args=(chain,), timeout=60):
@@ -205,6 +206,7 @@ def _rank_failure():
     return bool(torch.equal(both[0], both[1]))
 
 
+@pytest.mark.slow
 def test_a_failing_chunk_leaves_no_step_to_repeat_and_the_ranks_agreeing():
     assert run_ranks(_rank_failure, 2, timeout=60) == [True, True]
 
@@ -252,6 +254,7 @@ def test_step_refuses_an_unattached_optimizer_a_foreign_tensor_and_a_step_before
         zero.step(opt)
 
 
+@pytest.mark.slow
 def test_replicated_chunks_are_stepped_last_while_their_all_reduce_flies():
     """The replicated chunks' all-reduces are the step's last reductions. Backward ends
     without waiting for them: the sharded chunks are stepped and their gathers issued

@@ -129,6 +129,7 @@ def _rank_events(replicated: int):
     return [(e.name, e.kind, e.attrs.get("chunk")) for e in log.events], steps
 
 
+@pytest.mark.slow
 def test_events_show_all_reduce_and_no_gather_for_replicated_chunks():
     replicated = 2
     events, (_, step2) = run_ranks(_rank_events, 2, args=(replicated,), timeout=60)[0]
@@ -168,6 +169,7 @@ def _rank_norms(configs):
     return out
 
 
+@pytest.mark.slow
 def test_grad_norm_counts_replicated_buckets_once():
     net = make_net()
     tokens, targets = batches(1, BATCH)[0]
@@ -243,6 +245,7 @@ def _rank_bf16():
     return out
 
 
+@pytest.mark.slow
 def test_bf16_parameters_all_reduce_in_fp32():
     for buckets in run_ranks(_rank_bf16, 2, timeout=60):
         assert any(r for r, *_ in buckets) and not all(r for r, *_ in buckets)
@@ -277,6 +280,7 @@ def _rank_skipped_step():
     return out
 
 
+@pytest.mark.slow
 def test_a_skipped_step_leaves_no_reduction_behind():
     for skipped, plain in run_ranks(_rank_skipped_step, 2, timeout=60):
         for name, p in plain.items():
@@ -301,6 +305,7 @@ def _rank_norm_stuck(timeout_s: float):
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_gradient_norm_without_its_peer_is_named():
     report = launch(_rank_norm_stuck, 2, args=(2.0,), timeout=60)
     message = report.outcomes[0].value

@@ -399,6 +399,7 @@ def _preflight_rank(configs: list[Any]) -> int | None:
     return resume
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_preflight_under_a_process_group_enters_no_collective(corpus: Path, tmp_path: Path) -> None:
     """Ranks whose process group is already up (a library user's, or a test's) may see

@@ -1,6 +1,6 @@
 """The tensor-parallel GPT against the same GPT in one process: loss, logits and every
 gradient, on 2 and 4 gloo ranks, both block types, a sliding window, chunk counts 1, 2
-and 4, a vocabulary that does not divide by TP, tied and untied."""
+and 4, a vocabulary that does not divide by TP, tied and untied, dropout on."""
 
 from __future__ import annotations
 
@@ -69,6 +69,38 @@ def _compare(world: int, overrides: dict[str, Any], chunks: int, overlap: bool) 
     return "ok"
 
 
+def _compare_dropout(block: str, chunks: int) -> str:
+    """With dropout on, the TP GPT draws the TP 1 GPT's masks from the same generator
+    state (every TP rank alike): the same loss and gradients. The parallel block's
+    masks multiply partial sums (alike on every rank), the others a sequence shard
+    (each rank its rows)."""
+    config = ModelConfig(**{**BASE, "block": block, "dropout": 0.25})
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_len))
+    whole = GPT(config).train()
+    torch.manual_seed(11)
+    _, ref_loss = whole(tokens, tokens)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in whole.named_parameters()}
+    model = parallelize(GPT(config), dist.group.WORLD, chunks=chunks).train()
+    torch.manual_seed(11)
+    _, loss = model(tokens, tokens)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        spec = tp_spec(p)
+        assert spec is not None and p.grad is not None, name
+        grad = p.grad.clone()
+        if spec.partial_grad:
+            dist.all_reduce(grad)
+        torch.testing.assert_close(
+            grad, spec.from_state(ref_grads[name], p.detach(), name), rtol=1e-5, atol=1e-6
+        )
+    # Another generator state draws other masks: the loss moves (dropout is on).
+    _, other = model(tokens, tokens)
+    assert not torch.equal(other, loss)
+    return "ok"
+
+
 CASES = [
     ({"block": "parallel", "window": 5}, 2, True),
     ({"block": "serial", "window": None}, 1, True),
@@ -78,13 +110,15 @@ CASES = [
 
 
 def _all(world: int) -> list[str]:
-    return [_compare(world, o, c, ov) for o, c, ov in CASES]
+    out = [_compare(world, o, c, ov) for o, c, ov in CASES]
+    return [*out, _compare_dropout("parallel", 2), _compare_dropout("serial", 1)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_gpt_matches_one_process(world: int) -> None:
-    assert run_ranks(_all, world, args=(world,), timeout=240) == [["ok"] * len(CASES)] * world
+    got = run_ranks(_all, world, args=(world,), timeout=240)
+    assert got == [["ok"] * (len(CASES) + 2)] * world
 
 
 def test_sizes_that_do_not_divide_are_refused() -> None:

@@ -105,3 +105,13 @@ def test_tp_logs_the_losses_and_norms_of_one_process(
         (out / "ckpt" / "latest").write_text(f"step-{SAVED:08d}")
         rest = _run(_config(corpus, out, tp, optim), nproc)
         _same(rest, one[SAVED:])
+
+
+@pytest.mark.timeout(600)
+def test_tp_with_dropout_draws_the_masks_of_one_process(corpus: Path, tmp_path: Path) -> None:
+    # A replica's TP ranks are seeded alike (by their DP rank) and each draws the whole
+    # tensor's mask: TP 2 trains with the masks of one process, so with its losses.
+    extra = ["model.dropout=0.1", "checkpoint.every=0"]
+    one = _run(_config(corpus, tmp_path / "one", 1, extra, steps=6), 1)
+    # (test_tp_model shows that the masks move the loss; here they are the same masks)
+    _same(_run(_config(corpus, tmp_path / "tp2", 2, extra, steps=6), 2), one)

@@ -15,7 +15,13 @@ with no DP gradient sync (that is ZeRO's, measured by ``overlap.py``):
 - ``mlp``: ``fc2(gelu(fc(x)))``, width ``--width``, hidden 4x: a column-parallel GEMM
   after the sequence all-gather, a row-parallel one before the reduce-scatter;
 - ``block``: ms-train's parallel transformer block (``y = x + MLP(LN(x)) +
-  Attn(LN(x))``, 16 heads, full causal attention through ms-kernels' torch path).
+  Attn(LN(x))``, 16 heads, full causal attention through ms-kernels' torch path);
+- ``gpt``: ms-train's tiny preset (width 128, 4 parallel blocks of 4 heads, window
+  64, vocabulary 257, here untied), one micro-batch of 8 x 128 tokens per replica
+  (``--width``/``--tokens`` do not apply): ``ms_train.parallelize`` against the same
+  math in plain torch modules under torch's plans (``RowwiseParallel`` embedding to a
+  sequence shard, the blocks as above, ``SequenceParallel`` final norm,
+  ``ColwiseParallel`` head into ``loss_parallel``).
 
 Candidates: **ms fused, chunks=c** for each ``--chunks`` (``ms_parallel``'s
 ``all_gather_matmul`` / ``matmul_reduce_scatter``: for the block one gather of
@@ -52,6 +58,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import statistics
 import time
@@ -90,6 +97,9 @@ class Case:
     #: Tokens of one DP replica per step: seq x batch, the sequence split over TP.
     seq: int
     batch: int
+    #: ``gpt`` only: ms-train's tiny preset (untied), its vocabulary and depth.
+    vocab: int = 257
+    layers: int = 4
 
 
 # -- the ms side ------------------------------------------------------------------------
@@ -149,9 +159,10 @@ class TorchMLP(nn.Module):
 
 
 class TorchBlock(nn.Module):
-    def __init__(self, case: Case, tp: int) -> None:
+    def __init__(self, case: Case, tp: int, window: Any = None) -> None:
         super().__init__()
         h = case.width
+        self.window = window
         self.heads, self.head_dim = case.heads // tp, h // case.heads
         self.ln = nn.LayerNorm(h)
         self.qkv = nn.Linear(h, 3 * h)
@@ -166,9 +177,58 @@ class TorchBlock(nn.Module):
         qkv = self.qkv(hn)  # local: (B, S, 3h / tp), the sequence gathered
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, self.heads, 3, self.head_dim).unbind(3)
-        a = sliding_window_attention(q, k, v, causal=True, backend="torch").reshape(b, s, -1)
+        a = sliding_window_attention(
+            q, k, v, window=self.window, causal=True, backend="torch"
+        ).reshape(b, s, -1)
         g = nn.functional.gelu(self.fc(hn), approximate="tanh")
         return x + self.proj(a) + self.fc2(g)
+
+
+def _gpt_config(case: Case) -> Any:
+    from ms_train.config import ModelConfig
+
+    return ModelConfig(
+        vocab_size=case.vocab,
+        d_model=case.width,
+        n_layers=case.layers,
+        n_heads=case.heads,
+        seq_len=case.seq,
+        block="parallel",
+        window=64,
+        tie_embeddings=False,
+        kernels="torch",
+    )
+
+
+class TorchGPT(nn.Module):
+    """ms-train's tiny GPT (untied) in plain torch modules, for torch's TP plans: token
+    and position embeddings, parallel blocks, final LayerNorm, projection; the loss
+    under ``loss_parallel``."""
+
+    def __init__(self, case: Case, tp: int, window: Any) -> None:
+        super().__init__()
+        h = case.width
+        self.tp, self.seq = tp, case.seq
+        self.tok = nn.Embedding(case.vocab, h)
+        self.pos = nn.Embedding(case.seq, h)
+        self.blocks = nn.ModuleList(TorchBlock(case, tp, window) for _ in range(case.layers))
+        self.ln_f = nn.LayerNorm(h)
+        self.head = nn.Linear(h, case.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        x = self.tok(tokens)  # (B, S / tp, h): reduce-scattered along the sequence
+        part = self.seq // self.tp
+        start = dist.get_rank() % self.tp * part  # the TP rank: tp is the inner dim
+        x = x + self.pos(torch.arange(start, start + part))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))  # DTensor (B, S, V), sharded over the vocabulary
+        with loss_parallel():
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+            loss.backward()
+        return loss.detach()  # type: ignore[no-any-return]
 
 
 def torch_tp(module: nn.Module, mesh: Any) -> nn.Module:
@@ -184,11 +244,24 @@ def torch_tp(module: nn.Module, mesh: Any) -> nn.Module:
         "fc": ColwiseParallel(input_layouts=Shard(1)),
         "fc2": RowwiseParallel(output_layouts=Shard(1)),
     }
+    block: dict[str, Any] = {
+        "ln": SequenceParallel(),
+        "qkv": ColwiseParallel(input_layouts=Shard(1)),
+        "proj": RowwiseParallel(output_layouts=Shard(1)),
+        **plan,
+    }
     if isinstance(module, TorchBlock):
-        plan |= {
-            "ln": SequenceParallel(),
-            "qkv": ColwiseParallel(input_layouts=Shard(1)),
-            "proj": RowwiseParallel(output_layouts=Shard(1)),
+        plan = block
+    if isinstance(module, TorchGPT):
+        from torch.distributed.tensor import Replicate
+
+        plan = {
+            "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            **{f"blocks.{i}.{k}": v for i in range(len(module.blocks)) for k, v in block.items()},
+            "ln_f": SequenceParallel(),
+            "head": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+            ),
         }
     return parallelize_module(module, mesh, plan)
 
@@ -206,6 +279,8 @@ def _build(
     tp = mesh["tp"].size()
     torch.manual_seed(0)
     s_local = case.seq // tp
+    if case.name == "gpt":
+        return _build_gpt(name, case, mesh, log, tuner)
     if name == PEER:
         module: nn.Module = TorchMLP(case.width) if case.name == "mlp" else TorchBlock(case, tp)
         module = torch_tp(module, mesh["tp"])
@@ -228,6 +303,44 @@ def _build(
         module(x).float().sum().backward()
 
     return step, module
+
+
+def _chunks_of(name: str, tuner: ChunkTuner) -> int | ChunkTuner:
+    if name.endswith("measured"):
+        return tuner
+    if "chunks=" in name:
+        return int(name.split("chunks=")[1])
+    return 1
+
+
+def _build_gpt(
+    name: str, case: Case, mesh: Any, log: EventLog, tuner: ChunkTuner
+) -> tuple[Step, nn.Module]:
+    """ms-train's GPT under ``ms_train.parallelize``, or the same math under torch's
+    plans; a step is one micro-batch's forward, loss and backward."""
+    from ms_train import parallelize
+    from ms_train.model import GPT
+
+    tp = mesh["tp"].size()
+    g = torch.Generator().manual_seed(1 + mesh["dp"].get_local_rank())
+    tokens = torch.randint(0, case.vocab, (case.batch, case.seq + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    ms = GPT(_gpt_config(case))
+    if name == PEER:
+        module: nn.Module = torch_tp(TorchGPT(case, tp, ms.blocks[0].attn.window), mesh["tp"])
+
+        def step() -> None:
+            module(x, y)
+
+        return step, module
+    module = parallelize(
+        ms, mesh["tp"], chunks=_chunks_of(name, tuner), overlap=name != UNFUSED, on_event=log
+    )
+
+    def ms_step() -> None:
+        module(x, y)[1].backward()
+
+    return ms_step, module
 
 
 def _waited(log: EventLog, since: int) -> float:
@@ -344,14 +457,19 @@ def _summary(name: str, reps: dict[str, list[dict[str, float]]]) -> dict[str, fl
         "max_ms": 1e3 * max(steps),
         "over_torch": statistics.median(ratio),
         "over_unfused": statistics.median(unfused),
-        "exposed": statistics.median(r["waited_s"] / r["step_s"] for r in reps[name]),
+        # torch's collectives are not in the event log: their waits are not seen
+        "exposed": (
+            math.nan
+            if name == PEER
+            else statistics.median(r["waited_s"] / r["step_s"] for r in reps[name])
+        ),
         "wire_mb": statistics.median(r["wire_bytes"] for r in reps[name]) / 2**20,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", default="mlp,block")
+    ap.add_argument("--case", default="mlp,block,gpt")
     ap.add_argument("--layout", default="1x2,2x2", help="DPxTP, comma separated")
     ap.add_argument("--latency", default="0,chunk")
     ap.add_argument("--chunks", default="1,2,4")
@@ -366,19 +484,30 @@ def main() -> None:
     if a.smoke:
         a.width, a.tokens, a.rounds, a.steps, a.warmup = 64, 64, 1, 1, 1
         a.layout = "1x2"
+        print("smoke: not a measurement")
     chunks = [int(c) for c in a.chunks.split(",")]
     record: dict[str, Any] = {
         "machine": machine_info(ms_parallel=ms_parallel.__version__),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": vars(a),
+        "smoke": a.smoke,
         "results": [],
     }
     for layout in a.layout.split(","):
         dp, tp = (int(v) for v in layout.split("x"))
         for case_name in a.case.split(","):
-            case = Case(
-                case_name, a.width, heads=16 if a.width >= 256 else 4, seq=a.tokens // 2, batch=2
-            )
+            if case_name == "gpt":  # the tiny preset: micro-batch 8 of 128 tokens
+                case = Case("gpt", 64 if a.smoke else 128, heads=4, seq=128, batch=8)
+                if a.smoke:
+                    case = Case("gpt", 64, heads=4, seq=64, batch=2, layers=2)
+            else:
+                case = Case(
+                    case_name,
+                    a.width,
+                    heads=16 if a.width >= 256 else 4,
+                    seq=a.tokens // 2,
+                    batch=2,
+                )
             args = {
                 "dp": dp,
                 "tp": tp,
@@ -408,12 +537,16 @@ def main() -> None:
                 )
                 for name in res["reps"]:
                     s = _summary(name, res["reps"])
+                    exposed = "-" if math.isnan(s["exposed"]) else f"{100 * s['exposed']:.1f}%"
                     print(
                         f"    {name:28} {s['step_ms']:8.1f} ({s['min_ms']:.1f}-"
                         f"{s['max_ms']:.1f}) {s['over_torch']:7.3f} {s['over_unfused']:8.3f}"
-                        f" {100 * s['exposed']:7.1f}% {s['wire_mb']:9.1f}"
+                        f" {exposed:>8} {s['wire_mb']:9.2f}"
                     )
-                    res.setdefault("summary", {})[name] = s
+                    res.setdefault("summary", {})[name] = {
+                        k: None if isinstance(v, float) and math.isnan(v) else v
+                        for k, v in s.items()
+                    }
             record["results"].append(
                 {"layout": layout, "case": asdict(case), **got, "pair_mib": pair}
             )

@@ -6,7 +6,8 @@
 One process, no process group (no ``WORLD_SIZE``), the ``tiny`` preset (micro-batch 8,
 global batch 16, so 2 accumulated micro-batches per step, fp32 on CPU), the demo corpus
 (``ms_train.demo.demo_corpus()``, built or found in the cache before anything is timed),
-``torch.set_num_threads(--threads)`` (default: every core) for both candidates:
+``torch.set_num_threads(--threads)`` (default: every core) for both candidates (beside
+other busy processes use one: see the end):
 
 1. **ms-train**: ``Trainer(config, peak_flops=..., stream=StringIO())``, ``train()``,
    ``close()``, a fresh temporary ``train.out_dir`` each time; no resume, no sample,
@@ -63,6 +64,19 @@ Prints a table and writes a JSON record (machine info, parameters, every run in 
 to ``--out`` (default ``bench-results/train_throughput.json``). ``--smoke``: 8 steps, 1
 repetition of each, 2-step warm-ups and a 0.2 s matmul measurement, a check that the script
 works (its numbers mean nothing).
+
+**Beside other busy processes** both candidates slow by more than the cores' share: with
+two intra-op threads on 2 cores beside two busy loops (2026-12-07, `--smoke`), ms-train
+ran at 2.9k tokens/s against 11.9k alone (4.1x slower) and the plain loop at 2.7k
+against 11.2k (4.2x), where a fair share of the cores predicts 2x; with one thread,
+3.7k against 6.1k (1.6x, where 3 runnable threads on 2 cores predict 1.5x). Each op is
+split over the threads and ends when its slowest part does: whenever the scheduler
+gives one thread's core to a busy loop, the other finishes its half and waits (spins)
+for a time slice. It is torch's intra-op parallelism, not ms-train: the plain loop
+loses as much. A job on a shared host sees the same whenever its thread pool is
+larger than the cores it really gets; size it to them (``torch.set_num_threads``,
+``OMP_NUM_THREADS``, as torchrun's one thread per rank does) or pin the job to its
+cores.
 """
 
 from __future__ import annotations

@@ -143,10 +143,21 @@ class TPComm:
         return self.wait(Pending(work, t, op, 0, 1), phase)
 
     def wait(self, pending: Pending, phase: str) -> torch.Tensor:
-        """Wait (bounded) for ``pending``; its filled buffer."""
+        """Wait (bounded) for ``pending``; its filled buffer.
+
+        On a CUDA buffer the wait is stream-ordered (``work.wait()``: the compute stream
+        waits for NCCL's, the CPU goes on enqueueing the next chunk's GEMM): a timed
+        wait there would block the CPU until the collective ends, leaving the GPU idle
+        between chunks. The bound on a stopped peer is then the process group's own
+        timeout (NCCL's watchdog), which ms-train sets to
+        ``parallel.collective_timeout_s``.
+        """
         at = {"chunk": pending.chunk, "chunks": pending.chunks, "phase": phase}
         self.emit(pending.op, "wait_begin", **at)
-        if pending.work is not None:
+        if pending.work is not None and pending.buffer.is_cuda:
+            pending.work.wait()
+            pending.work = None
+        elif pending.work is not None:
             where = f"{self.label or 'tensor-parallel layer'}, {phase}, chunk {pending.chunk}"
             wait_bounded(
                 pending.work,

@@ -92,11 +92,29 @@ def _gather_mm(
     return outs
 
 
+def _scaled_mm(x: Tensor, w: Tensor, scale: Tensor | None, out: Tensor, accumulate: bool) -> None:
+    """``out (+)= (x @ w.T) * scale`` (``scale`` None: unscaled)."""
+    if scale is None:
+        if accumulate:
+            out.addmm_(x, w.t())
+        else:
+            torch.matmul(x, w.t(), out=out)
+    elif accumulate:
+        out.add_(torch.matmul(x, w.t()).mul_(scale))
+    else:
+        torch.mul(torch.matmul(x, w.t()), scale, out=out)
+
+
 def _mm_scatter_send(
-    xs: Sequence[Tensor], ws: Sequence[Tensor], comm: TPComm, chunks: int, phase: str
+    xs: Sequence[Tensor],
+    ws: Sequence[Tensor],
+    scales: Sequence[Tensor | None],
+    comm: TPComm,
+    chunks: int,
+    phase: str,
 ) -> tuple[list[tuple[int, int]], list[Pending]]:
-    """Issue, piece by piece, the other ranks' rows of ``sum(x @ w.T)``; ``xs`` are
-    ``(size, rows, k)``."""
+    """Issue, piece by piece, the other ranks' rows of ``sum((x @ w.T) * scale)``; ``xs``
+    (and the scales) are ``(size, rows, k)``."""
     n, r, rows = comm.size, comm.rank, xs[0].shape[1]
     out_features = ws[0].shape[0]
     bounds = chunk_bounds(rows, chunks)
@@ -108,11 +126,8 @@ def _mm_scatter_send(
         for j in range(n):
             if j == r:
                 continue
-            for i, (x, w) in enumerate(zip(xs, ws, strict=True)):
-                if i == 0:
-                    torch.matmul(x[j, a:b], w.t(), out=send[j])
-                else:
-                    send[j].addmm_(x[j, a:b], w.t())
+            for i, (x, w, sc) in enumerate(zip(xs, ws, scales, strict=True)):
+                _scaled_mm(x[j, a:b], w, None if sc is None else sc[j, a:b], send[j], i > 0)
         comm.emit("gemm", "compute_end", chunk=p, phase=phase)
         flying.append(comm.exchange(send, "reduce_scatter", p, len(bounds), phase))
     return bounds, flying
@@ -161,7 +176,8 @@ class _AllGatherMatmul(torch.autograd.Function):
             if want_x:
                 # dX = dY @ W summed over the group: the other ranks' rows go first.
                 wts = [w.t() for w in ws]
-                _, sent = _mm_scatter_send(gys, wts, comm, ctx.chunks, "backward")
+                none: list[Tensor | None] = [None] * len(gys)
+                _, sent = _mm_scatter_send(gys, wts, none, comm, ctx.chunks, "backward")
                 dx = torch.matmul(gys[0][r], ws[0])
                 for gy, w in zip(gys[1:], ws[1:], strict=True):
                     dx.addmm_(gy[r], w)
@@ -230,19 +246,25 @@ def all_gather_matmul(
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, comm: TPComm, chunks: int, n_in: int, *tensors: Tensor) -> Tensor:
-        xs_in, ws = tensors[:n_in], tensors[n_in:]
+    def forward(
+        ctx: Any, comm: TPComm, chunks: int, n_in: int, scaled: tuple[bool, ...], *tensors: Tensor
+    ) -> Tensor:
+        xs_in, ws = tensors[:n_in], tensors[n_in : 2 * n_in]
+        given = iter(tensors[2 * n_in :])
         n = comm.size
         rows = xs_in[0].numel() // (n * xs_in[0].shape[-1])
         xs = [x.reshape(n, rows, x.shape[-1]) for x in xs_in]
+        out_features = ws[0].shape[0]
+        scales = [next(given).reshape(n, rows, out_features) if s else None for s in scaled]
+        r = comm.rank
         with torch.autocast(xs[0].device.type, enabled=False):
-            bounds, flying = _mm_scatter_send(xs, ws, comm, chunks, "forward")
-            y = torch.matmul(xs[0][comm.rank], ws[0].t())
-            for x, w in zip(xs[1:], ws[1:], strict=True):
-                y.addmm_(x[comm.rank], w.t())
+            bounds, flying = _mm_scatter_send(xs, ws, scales, comm, chunks, "forward")
+            y = xs[0].new_empty((rows, out_features))
+            for i, (x, w, sc) in enumerate(zip(xs, ws, scales, strict=True)):
+                _scaled_mm(x[r], w, None if sc is None else sc[r], y, i > 0)
             _add_received(y, bounds, flying, comm, "forward")
-        ctx.save_for_backward(*xs, *ws)
-        ctx.comm, ctx.chunks, ctx.n_in = comm, chunks, n_in
+        ctx.save_for_backward(*xs, *ws, *(sc for sc in scales if sc is not None))
+        ctx.comm, ctx.chunks, ctx.n_in, ctx.scaled = comm, chunks, n_in, scaled
         ctx.x_shapes = [x.shape for x in xs_in]
         lead = xs_in[0].shape[:-1]
         return y.view(lead[0] // n, *lead[1:], y.shape[-1])
@@ -250,12 +272,19 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
         saved = ctx.saved_tensors
-        xs, ws = saved[: ctx.n_in], saved[ctx.n_in :]
+        n_in = ctx.n_in
+        xs, ws = saved[:n_in], saved[n_in : 2 * n_in]
+        given = iter(saved[2 * n_in :])
+        scales = [next(given) if s else None for s in ctx.scaled]
         comm: TPComm = ctx.comm
         n, r, rows = comm.size, comm.rank, xs[0].shape[1]
         g2 = grad.reshape(rows, grad.shape[-1])
-        want = ctx.needs_input_grad[3:]
-        want_x, want_w = want[: ctx.n_in], want[ctx.n_in :]
+        want = ctx.needs_input_grad[4 : 4 + 2 * n_in]
+        want_x, want_w = want[:n_in], want[n_in:]
+
+        def scaled(g: Tensor, sc: Tensor | None, j: int, a: int, b: int) -> Tensor:
+            return g if sc is None else g * sc[j, a:b]
+
         with torch.autocast(g2.device.type, enabled=False):
             bounds = chunk_bounds(rows, ctx.chunks)
             flying = [
@@ -265,29 +294,33 @@ class _MatmulReduceScatter(torch.autograd.Function):
             # This rank's rows first, while the other ranks' gradient pieces fly.
             dxs: list[Tensor | None] = []
             dws: list[Tensor | None] = []
-            for x, w, wx, ww in zip(xs, ws, want_x, want_w, strict=True):
+            for x, w, sc, wx, ww in zip(xs, ws, scales, want_x, want_w, strict=True):
+                g = scaled(g2, sc, r, 0, rows)
                 dx = None
                 if wx:
                     dx = g2.new_empty((n, rows, w.shape[1]))
-                    torch.matmul(g2, w, out=dx[r])
+                    torch.matmul(g, w, out=dx[r])
                 dxs.append(dx)
-                dws.append(g2.t() @ x[r] if ww else None)
+                dws.append(g.t() @ x[r] if ww else None)
             for p, (a, b) in enumerate(bounds):
                 got = comm.wait(flying[p], "backward")
                 for j in range(n):
                     if j == r:
                         continue
-                    for i, (x, w) in enumerate(zip(xs, ws, strict=True)):
+                    for i, (x, w, sc) in enumerate(zip(xs, ws, scales, strict=True)):
                         dx, dw = dxs[i], dws[i]
+                        if dx is None and dw is None:
+                            continue
+                        g = scaled(got[j], sc, j, a, b)
                         if dx is not None:
-                            torch.matmul(got[j], w, out=dx[j, a:b])
+                            torch.matmul(g, w, out=dx[j, a:b])
                         if dw is not None:
-                            dw.addmm_(got[j].t(), x[j, a:b])
+                            dw.addmm_(g.t(), x[j, a:b])
         out_x = [
             None if dx is None else dx.view(shape)
             for dx, shape in zip(dxs, ctx.x_shapes, strict=True)
         ]
-        return (None, None, None, *out_x, *dws)
+        return (None, None, None, None, *out_x, *dws, *(None for s in ctx.scaled if s))
 
 
 def matmul_reduce_scatter(
@@ -297,6 +330,7 @@ def matmul_reduce_scatter(
     *,
     chunks: int = 2,
     overlap: bool = True,
+    scales: Sequence[Tensor | None] | None = None,
 ) -> Tensor:
     """``reduce_scatter(sum(x @ w.T))`` along dim 0, the GEMMs chunked and overlapped.
 
@@ -310,6 +344,10 @@ def matmul_reduce_scatter(
             is issued as soon as its GEMMs are done.
         overlap: ``False`` runs the unfused reference: the GEMMs, then one
             reduce-scatter, waited (the same results up to the order of the sum).
+        scales: one per input, None or a constant tensor of the whole output's shape
+            ``(size * s, *batch, out)`` multiplied into that GEMM's output before the
+            sum (no gradient flows to it): the parallel block's dropout masks, which
+            every rank of the group must hold alike.
 
     Returns:
         ``(s, *batch, out)``: this rank's part of the summed result.
@@ -339,16 +377,46 @@ def matmul_reduce_scatter(
             f"xs' first dimension (the sequence, {lead[0] if lead else 0}) must divide by "
             f"the group's size {comm.size}"
         )
+    s_list = _scales(scales, len(x_list), (*lead, w_list[0].shape[0]))
     dtype = _autocast_dtype(x_list[0])
     if dtype is not None:
         x_list, w_list = [x.to(dtype) for x in x_list], [w.to(dtype) for w in w_list]
+        s_list = [None if sc is None else sc.to(dtype) for sc in s_list]
     if comm.size == 1 or not overlap:
-        total = torch.nn.functional.linear(x_list[0], w_list[0])
-        for x, w in zip(x_list[1:], w_list[1:], strict=True):
-            total = total + torch.nn.functional.linear(x, w)
+        total: Tensor | None = None
+        for x, w, sc in zip(x_list, w_list, s_list, strict=True):
+            y = torch.nn.functional.linear(x, w)
+            y = y if sc is None else y * sc
+            total = y if total is None else total + y
+        assert total is not None
         return reduce_scatter_sequence(total, comm)
-    out: Tensor = _MatmulReduceScatter.apply(comm, chunks, len(x_list), *x_list, *w_list)  # type: ignore[no-untyped-call]
+    scaled = tuple(sc is not None for sc in s_list)
+    given = [sc.contiguous() for sc in s_list if sc is not None]
+    out: Tensor = _MatmulReduceScatter.apply(  # type: ignore[no-untyped-call]
+        comm, chunks, len(x_list), scaled, *x_list, *w_list, *given
+    )
     return out
+
+
+def _scales(
+    scales: Sequence[Tensor | None] | None, n: int, shape: tuple[int, ...]
+) -> list[Tensor | None]:
+    if scales is None:
+        return [None] * n
+    got = list(scales)
+    if len(got) != n:
+        raise ValueError(f"scales must hold one entry per input ({n}), got {len(got)}")
+    for i, sc in enumerate(got):
+        if sc is None:
+            continue
+        if not isinstance(sc, Tensor) or tuple(sc.shape) != shape:
+            what = tuple(sc.shape) if isinstance(sc, Tensor) else type(sc).__name__
+            raise ValueError(
+                f"scales[{i}] must be None or of the output's shape {shape}, got {what}"
+            )
+        if sc.requires_grad:
+            raise ValueError(f"scales[{i}] must be a constant (requires_grad=False)")
+    return got
 
 
 # -- the unfused sequence-parallel collectives ------------------------------------------

@@ -313,8 +313,14 @@ def _gather_mm(
     return out
 
 
-def _mm_scatter(xs: Sequence[Tensor], ws: Sequence[Tensor], comm: TPComm, chunks: int) -> Tensor:
-    return matmul_reduce_scatter(list(xs), list(ws), comm, chunks=chunks)
+def _mm_scatter(
+    xs: Sequence[Tensor],
+    ws: Sequence[Tensor],
+    comm: TPComm,
+    chunks: int,
+    scales: Sequence[Tensor | None] | None = None,
+) -> Tensor:
+    return matmul_reduce_scatter(list(xs), list(ws), comm, chunks=chunks, scales=scales)
 
 
 def gathered_matmuls(
@@ -383,21 +389,37 @@ class RowParallelLinear(nn.Module):
         )
 
 
-def row_parallel_matmuls(xs: Sequence[Tensor], layers: Sequence[RowParallelLinear]) -> Tensor:
+def row_parallel_matmuls(
+    xs: Sequence[Tensor],
+    layers: Sequence[RowParallelLinear],
+    scales: Sequence[Tensor | None] | None = None,
+) -> Tensor:
     """The sum of several row-parallel layers' outputs with one reduce-scatter (the
-    parallel block's attention and MLP projections); each layer's bias added once."""
+    parallel block's attention and MLP projections); each layer's bias added once.
+
+    ``scales`` (see :func:`~ms_parallel.matmul_reduce_scatter`): per layer, None or a
+    constant of the whole output's shape multiplying that layer's output, bias included
+    (``sum(scale * (x @ w.T + b))``): dropout masks on partial sums, alike on every rank.
+    """
     first = layers[0]
     ws = [m.weight for m in layers]
     if not first.overlap:
-        y = matmul_reduce_scatter(list(xs), ws, first.comm, overlap=False)
+        y = matmul_reduce_scatter(list(xs), ws, first.comm, overlap=False, scales=scales)
     else:
         chunks = resolve_chunks(
             first.chunks, "matmul_reduce_scatter", xs, ws, first.comm, _mm_scatter
         )
-        y = _mm_scatter(xs, ws, first.comm, chunks)
-    for m in layers:
-        if m.bias is not None:
+        y = _mm_scatter(xs, ws, first.comm, chunks, scales)
+    comm = first.comm
+    for i, m in enumerate(layers):
+        if m.bias is None:
+            continue
+        sc = None if scales is None else scales[i]
+        if sc is None:
             y = y + m.bias.to(y.dtype)
+        else:  # this rank's rows of the scale
+            part = sc.shape[0] // comm.size
+            y = y + sc[comm.rank * part : (comm.rank + 1) * part] * m.bias.to(y.dtype)
     return y
 
 

@@ -2,9 +2,10 @@
 
 In training only dropout draws from them: the weights come from per-parameter
 generators seeded by name (``ms_train.model.derive_seed``) and the sample from a
-generator of its own. The rule, for rank ``r`` (its data-parallel rank):
+generator of its own. The rule, for rank ``r`` (its data-parallel rank, so that the
+TP ranks of one replica draw the same dropout masks of the tensors they share):
 
-- **Resumed at the same data-parallel size**: the generators are the ones the
+- **Resumed at the same layout** (data- and tensor-parallel sizes): the generators are the ones the
   checkpoint saved for rank ``r`` (ms-ckpt's per-rank ``rng_state()``), bit for bit, so
   the resumed run draws what the uninterrupted one would have.
 - **Otherwise**, at a fresh start (step 0) and when resuming at step ``s`` with another

@@ -14,6 +14,15 @@ rows are head-major), and so are the FFN's hidden units and the vocabulary.
   MLP (two of each);
 - :class:`TPHead`: the final LayerNorm on the shard, the vocabulary-parallel projection
   and cross-entropy (the logits are never gathered for the loss).
+
+Dropout draws the TP 1 model's mask of the whole ``(B, S, d_model)`` tensor on every TP
+rank, from the generator they share (ms-train seeds a replica's TP ranks alike), and
+each rank keeps its part: the masks of a sequence shard differ between the ranks (each
+holds other positions), those of the parallel block's partial sums, which are
+reduce-scattered, agree (every rank holds the whole sequence); and a TP run draws the
+masks of the TP 1 run with the same generator state (on CPU, where ``nn.Dropout`` draws
+the same Bernoulli stream). The price: each rank draws ``tp`` times the random numbers
+of its shard.
 """
 
 from __future__ import annotations
@@ -58,6 +67,28 @@ def check_tp(config: ModelConfig, tp: int) -> None:
             )
 
 
+def _whole_mask(drop: nn.Module, s: int, b: int, d: int, like: Tensor) -> Tensor | None:
+    """The TP 1 model's dropout mask of a ``(b, s, d)`` tensor, scaled by ``1 / (1 - p)``,
+    as ``(s, b, d)``; None when ``drop`` is off (eval, or p = 0)."""
+    p = float(getattr(drop, "p", 0.0))
+    if not drop.training or p == 0.0:
+        return None
+    keep = torch.empty((b, s, d), device=like.device, dtype=like.dtype)
+    if p == 1.0:
+        return keep.zero_().transpose(0, 1)
+    return keep.bernoulli_(1.0 - p).div_(1.0 - p).transpose(0, 1)
+
+
+def _shard_dropout(drop: nn.Module, x: Tensor, comm: TPComm) -> Tensor:
+    """Dropout of this rank's sequence shard ``x`` ``(s / tp, B, d)``: its rows of the
+    whole tensor's mask."""
+    part, b, d = x.shape
+    mask = _whole_mask(drop, part * comm.size, b, d, x)
+    if mask is None:
+        return x
+    return x * mask[comm.rank * part : (comm.rank + 1) * part]
+
+
 def _load(dst: nn.Parameter, src: Tensor) -> None:
     """``dst`` (this rank's padded shard) from the whole parameter ``src``, by its spec."""
     if src.device.type == "meta" or dst.device.type == "meta":
@@ -94,7 +125,7 @@ class TPEmbedding(nn.Module):
         part = s // self.comm.size
         start = self.comm.rank * part
         positions = torch.arange(start, start + part, device=tokens.device)
-        return self.drop(x + self.pos_emb(positions).unsqueeze(1))  # type: ignore[no-any-return]
+        return _shard_dropout(self.drop, x + self.pos_emb(positions).unsqueeze(1), self.comm)
 
 
 class _TPAttention(nn.Module):
@@ -119,6 +150,7 @@ class _TPAttention(nn.Module):
             "device": w.device,
             "dtype": w.dtype,
         }
+        self.comm = comm
         self.qkv = ColumnParallelLinear(d, 3 * d, comm, **kw)
         self.proj = RowParallelLinear(d, d, comm, **kw)
         for name in ("weight", "bias"):
@@ -142,7 +174,7 @@ class _TPAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         a = self.attend(self.qkv(x))
-        return self.drop(self.proj(a))  # type: ignore[no-any-return]
+        return _shard_dropout(self.drop, self.proj(a), self.comm)
 
 
 class _TPMLP(nn.Module):
@@ -158,6 +190,7 @@ class _TPMLP(nn.Module):
             "device": w.device,
             "dtype": w.dtype,
         }
+        self.comm = comm
         self.fc = ColumnParallelLinear(d, f, comm, **kw)
         self.proj = RowParallelLinear(f, d, comm, **kw)
         for name in ("weight", "bias"):
@@ -174,7 +207,7 @@ class _TPMLP(nn.Module):
         return bias_gelu(h, bias.to(h.dtype), self.approximate, backend=self.backend)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.drop(self.proj(self.hidden(self.fc.matmul(x))))  # type: ignore[no-any-return]
+        return _shard_dropout(self.drop, self.proj(self.hidden(self.fc.matmul(x))), self.comm)
 
 
 class TPBlock(nn.Module):
@@ -194,14 +227,6 @@ class TPBlock(nn.Module):
         if ln is not None:
             self.ln, self.ln1, self.ln2 = ln, None, None
             mark_replicated(ln, comm)
-            if config.dropout > 0:
-                # The two branches are summed before their one reduce-scatter, so their
-                # dropout masks would have to span the whole sequence alike on every TP
-                # rank; that is not built.
-                raise ConfigError(
-                    f"model.dropout = {config.dropout} with model.block = 'parallel' under "
-                    "tensor parallelism is not supported; use dropout 0 or serial blocks"
-                )
         else:
             assert ln1 is not None and ln2 is not None
             self.ln, self.ln1, self.ln2 = None, ln1, None
@@ -220,7 +245,16 @@ class TPBlock(nn.Module):
             qkv_bias = attn.qkv.bias
             assert qkv_bias is not None
             a = attn.attend(qkv + qkv_bias.to(qkv.dtype))
-            y = row_parallel_matmuls([a, mlp.hidden(fc)], [attn.proj, mlp.proj])  # one RS
+            hidden = mlp.hidden(fc)
+            # The branches are summed before their one reduce-scatter: each one's dropout
+            # mask multiplies its partial sums, the whole sequence's, alike on every
+            # rank (drawn in the TP 1 block's order: the MLP's first).
+            s, b = hidden.shape[:2]
+            d = attn.proj.out_features
+            m_mask = _whole_mask(mlp.drop, s, b, d, hidden)
+            a_mask = _whole_mask(attn.drop, s, b, d, a)
+            scales = None if a_mask is None and m_mask is None else [a_mask, m_mask]
+            y = row_parallel_matmuls([a, hidden], [attn.proj, mlp.proj], scales)  # one RS
             return x + y
         assert self.ln1 is not None and self.ln2 is not None
         a = self.attn(self.ln1(x))

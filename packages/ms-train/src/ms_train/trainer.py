@@ -26,8 +26,8 @@ and training continues to ``train.steps``; on CPU the continued run is bit-ident
 an uninterrupted one. ``metrics.jsonl`` keeps the lines up to the checkpoint's step.
 The data-parallel size may differ from the saving job's: the model, optimizer and step
 are replicated, the loader resumes at global sample ``step * GB`` whatever the split,
-and each rank's RNG is the saved one at the same size, else seeded from ``train.seed``,
-its rank and the step (``ms_train._rng``).
+and each rank's RNG is the saved one at the same layout, else seeded from
+``train.seed``, its data-parallel rank and the step (``ms_train._rng``).
 """
 
 from __future__ import annotations
@@ -202,7 +202,6 @@ class Trainer:
             agree=self._agree,
             log=self._say,
         )
-        seed_rank(config.train.seed, self.rank, 0)  # dropout; weights seed by name
         # The mesh and this rank's place in it are the engine's: the loader, the
         # held-out eval, the loss mean, the checkpointer and the heartbeats take them
         # from engine.topology, never from the global rank.
@@ -214,6 +213,9 @@ class Trainer:
             engine if engine is not None else make_engine(p, self.device, on_event, mesh, m)
         )
         self.topology = self.engine.topology
+        # Dropout's generators, by the DP rank: a replica's TP ranks draw alike (the
+        # masks of the tensors they share agree; ms_train._tp_model). Weights seed by name.
+        seed_rank(config.train.seed, self.topology.dp_rank, 0)
         if self.health is not None and self.topology.tp_size > 1:
             self.health.set_mesh({"dp": self.topology.dp_rank, "tp": self.topology.tp_rank})
 
@@ -421,7 +423,7 @@ class Trainer:
             state, fallback=True, per_rank="keep", optional=(_TP_CHUNKS,)
         )
         if not state["rng"].restored:
-            seed_rank(self.config.train.seed, self.rank, self.step)
+            seed_rank(self.config.train.seed, self.topology.dp_rank, self.step)
             self._rng_seeded = True
         return self.step
 
@@ -697,7 +699,7 @@ class Trainer:
             if self._rng_seeded:
                 lines.append(
                     "  rng: the checkpoint was saved at another data- or tensor-parallel "
-                    "size; each rank's RNG is seeded from train.seed, its rank and the step"
+                    "size; each rank's RNG is seeded from train.seed, its DP rank and the step"
                 )
         else:
             lines.append(
