@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ms_parallel.tensor_parallel import TPSpec, shard_range, tp_spec
+from ms_parallel.tensor_parallel import TPSpec, contiguous_strides, shard_range, tp_spec
 
 # DTensor is imported where state is built or read (half a second of imports, sympy's
 # among them), so that a process that never saves or loads does not pay for it.
@@ -119,7 +119,7 @@ class _Placer:
             self.placements(param, replicated),
             run_check=False,
             shape=shape,
-            stride=_contiguous(shape),
+            stride=contiguous_strides(shape),
         )
 
     def from_state(self, param: torch.Tensor, value: Any, key: str) -> torch.Tensor:
@@ -138,29 +138,14 @@ class _Placer:
                 want = self.placements(param, True)  # whole over DP, TP as the parameter
                 part = value.redistribute(self.mesh, want).to_local()
             else:
-                part = _slice(value.full_tensor(), spec)
+                part = _local(value.full_tensor(), spec)
         else:
-            part = _slice(value, spec)
+            part = _local(value, spec)
         if spec is not None and spec.dim is not None and part.shape != param.shape:
             padded = torch.zeros(param.shape, dtype=part.dtype, device=part.device)
             padded.narrow(spec.dim, 0, part.shape[spec.dim]).copy_(part)
             return padded
         return part
-
-
-def _slice(whole: torch.Tensor, spec: TPSpec | None) -> torch.Tensor:
-    if spec is None or spec.dim is None:
-        return whole
-    lo, hi = spec.local_range()
-    return whole.narrow(spec.dim, lo, hi - lo)
-
-
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def _bucket_keys(
@@ -338,3 +323,7 @@ def _plain(value: Any) -> Any:
             )
         return value.detach().cpu().clone()
     return value
+
+
+def _local(whole: torch.Tensor, spec: TPSpec | None) -> torch.Tensor:
+    return whole if spec is None else spec.narrow_local(whole)

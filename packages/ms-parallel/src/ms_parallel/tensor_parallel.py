@@ -98,7 +98,7 @@ class TPSpec:
             real = local.narrow(self.dim, 0, hi - lo)
         shape = torch.Size(self.global_shape)
         return DTensor.from_local(
-            real, mesh, [placement], run_check=False, shape=shape, stride=_contiguous(shape)
+            real, mesh, [placement], run_check=False, shape=shape, stride=contiguous_strides(shape)
         )
 
     def from_state(self, value: Tensor, like: Tensor, key: str) -> Tensor:
@@ -116,9 +116,9 @@ class TPSpec:
                 part = value.to_local()
             else:
                 whole = value.full_tensor()
-                part = self._slice(whole)
+                part = self.narrow_local(whole)
         else:
-            part = self._slice(value)
+            part = self.narrow_local(value)
         if part.shape == like.shape:
             return part
         out = torch.zeros_like(like)  # padded rows stay zero
@@ -126,14 +126,16 @@ class TPSpec:
         out.narrow(self.dim, 0, part.shape[self.dim]).copy_(part)
         return out
 
-    def _slice(self, whole: Tensor) -> Tensor:
+    def narrow_local(self, whole: Tensor) -> Tensor:
+        """This rank's part of the unsplit ``whole`` (all of it when not split)."""
         if self.dim is None:
             return whole
         lo, hi = self.local_range()
         return whole.narrow(self.dim, lo, hi - lo)
 
 
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (DTensor.from_local's ``stride=``)."""
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ms_kernels import LayerNorm, add_layer_norm, bias_gelu, sliding_window_attention
+from ms_kernels import LayerNorm, bias_gelu, sliding_window_attention
 from ms_parallel import ChunkTuner, TPComm
 from ms_parallel.tensor_parallel import (
     Chunks,
@@ -48,7 +48,15 @@ from ms_parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from ms_train.config import ConfigError, ModelConfig
-from ms_train.model import GPT, MLP, Block, CausalSelfAttention, Embedding, Head
+from ms_train.model import (
+    GPT,
+    MLP,
+    Block,
+    CausalSelfAttention,
+    Embedding,
+    Head,
+    serial_block_forward,
+)
 
 __all__ = ["TPBlock", "TPEmbedding", "TPHead", "check_tp", "parallelize"]
 
@@ -257,18 +265,7 @@ class TPBlock(nn.Module):
             y = row_parallel_matmuls([a, hidden], [attn.proj, mlp.proj], scales)  # one RS
             return x + y
         assert self.ln1 is not None and self.ln2 is not None
-        a = self.attn(self.ln1(x))
-        ln2 = self.ln2
-        y, h = add_layer_norm(
-            a.to(x.dtype),
-            x,
-            ln2.normalized_shape,
-            ln2.weight,
-            ln2.bias,
-            ln2.eps,
-            backend=ln2.backend,
-        )
-        return h + self.mlp(y)  # type: ignore[no-any-return]
+        return serial_block_forward(x, self.ln1, self.attn, self.ln2, self.mlp)
 
 
 class TPHead(nn.Module):

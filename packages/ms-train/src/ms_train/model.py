@@ -335,20 +335,27 @@ class Block(nn.Module):
             h = self.ln(x)
             return x + self.mlp(h) + self.attn(h)  # type: ignore[no-any-return]
         assert self.ln1 is not None and self.ln2 is not None
-        a = self.attn(self.ln1(x))
-        ln2 = self.ln2
-        # h = x + a and LN2(h) in one fused op.
-        # Under autocast ``a`` is in the autocast dtype; the residual stream keeps x's.
-        y, h = add_layer_norm(
-            a.to(x.dtype),
-            x,
-            ln2.normalized_shape,
-            ln2.weight,
-            ln2.bias,
-            ln2.eps,
-            backend=ln2.backend,
-        )
-        return h + self.mlp(y)  # type: ignore[no-any-return]
+        return serial_block_forward(x, self.ln1, self.attn, self.ln2, self.mlp)
+
+
+def serial_block_forward(
+    x: torch.Tensor, ln1: LayerNorm, attn: nn.Module, ln2: LayerNorm, mlp: nn.Module
+) -> torch.Tensor:
+    """``h = x + attn(ln1(x))``, then ``h + mlp(ln2(h))``: the serial block, whole or
+    on a sequence shard (ms_train._tp_model's TP block)."""
+    a = attn(ln1(x))
+    # h = x + a and LN2(h) in one fused op.
+    # Under autocast ``a`` is in the autocast dtype; the residual stream keeps x's.
+    y, h = add_layer_norm(
+        a.to(x.dtype),
+        x,
+        ln2.normalized_shape,
+        ln2.weight,
+        ln2.bias,
+        ln2.eps,
+        backend=ln2.backend,
+    )
+    return h + mlp(y)  # type: ignore[no-any-return]
 
 
 class Embedding(nn.Module):
